@@ -293,19 +293,19 @@ def cifar100_splits(root: str | Path, img_size: int = 32, augment: bool = True, 
                   ImageRows(test_images, torch.tensor(test_files.targets), eval_tf, seed=seed),
                   num_classes=100, in_chans=3, classes=list(train_files.classes))
 
-# %% ../nbs/03_data.ipynb #edef2973
+# %% ../nbs/03_data.ipynb #45991938
 def write_fake_cifar100(root: str | Path, per_class_train: int = 10, per_class_test: int = 2, seed: int = 0,
                         protocol: int = 2) -> Path:
     "Write random images in the official CIFAR-100 pickle layout under `root/cifar-100-python` (for tests and demos)."
-    gen = np.random.default_rng(seed)  # local generator: the pixels are arbitrary test content
+    gen = torch.Generator().manual_seed(seed)
     folder = Path(root) / 'cifar-100-python'
     folder.mkdir(parents=True, exist_ok=True)
     for name, per_class in (('train', per_class_train), ('test', per_class_test)):
-        fine = np.repeat(np.arange(100), per_class)
-        gen.shuffle(fine)
+        fine = torch.arange(100).repeat_interleave(per_class)
+        fine = fine[torch.randperm(len(fine), generator=gen)]
         entry = {'batch_label': f'{name} batch 1 of 1', 'filenames': [f'img_{i}.png' for i in range(len(fine))],
                  'fine_labels': fine.tolist(), 'coarse_labels': (fine // 5).tolist(),
-                 'data': gen.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8)}
+                 'data': torch.randint(0, 256, (len(fine), 3072), dtype=torch.uint8, generator=gen).numpy()}
         with open(folder / name, 'wb') as f: pickle.dump(entry, f, protocol=protocol)
     meta = {'fine_label_names': [f'class_{i:02d}' for i in range(100)],
             'coarse_label_names': [f'super_{i:02d}' for i in range(20)]}
