@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 
 # %% auto #0
 __all__ = ['CIFAR100_MEAN', 'CIFAR100_STD', 'IMAGENET_MEAN', 'IMAGENET_STD', 'DIGITS_VAL', 'DIGITS_TEST', 'SPLITS',
-           'stratified_split', 'ImageTransform', 'ImageRows', 'Splits', 'TensorBatches', 'make_loader', 'digits_splits',
-           'CIFAR100Files', 'cifar100_transforms', 'cifar100_splits', 'write_fake_cifar100', 'synthetic_splits',
-           'create_splits']
+           'stratified_split', 'ImageTransform', 'RowBatch', 'ImageRows', 'Splits', 'PlanBatches', 'collate_rows',
+           'make_loader', 'digits_splits', 'CIFAR100Files', 'cifar100_transforms', 'cifar100_splits',
+           'write_fake_cifar100', 'synthetic_splits', 'create_splits']
 
 # %% ../nbs/03_data.ipynb #00d7dff8
 def _class_quotas(counts: Tensor, available: Tensor, size: int) -> Tensor:
@@ -54,7 +54,7 @@ def stratified_split(labels: Tensor, sizes: Sequence[int], seed: int = 0) -> lis
     parts.append(torch.cat([rows[t:] for rows, t in zip(shuffled, taken.tolist())]))
     return [p.sort().values for p in parts]
 
-# %% ../nbs/03_data.ipynb #7896920d
+# %% ../nbs/03_data.ipynb #3aba9c4e
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -70,7 +70,7 @@ def _mix(*values: int) -> int:
 
 @dataclass(frozen=True)
 class ImageTransform:
-    "uint8 `[C, H, W]` → float `[C, size, size]`: optional random pad-crop and flip, bilinear resize, per-channel normalisation."
+    "Images `[B, C, H, W]` (uint8 or float) → float `[B, C, size, size]`: optional random pad-crop and flip per row, bilinear resize, per-channel normalisation."
     size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -80,19 +80,37 @@ class ImageTransform:
     @property
     def random(self) -> bool: return self.crop_pad > 0 or self.flip
 
-    def __call__(self, image: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        x = image.float().div_(255) if image.dtype == torch.uint8 else image.float()
-        if generator is not None and self.crop_pad > 0:
-            p, (h, w) = self.crop_pad, x.shape[-2:]
-            dy, dx = torch.randint(0, 2 * p + 1, (2,), generator=generator).tolist()
-            x = F.pad(x, (p, p, p, p))[..., dy:dy + h, dx:dx + w]
-        if generator is not None and self.flip and torch.randint(0, 2, (1,), generator=generator).item():
-            x = x.flip(-1)
+    def draw(self, generator: torch.Generator) -> tuple[int, int, bool]:
+        "One row's random choices: crop offsets `(dy, dx)` into the padded image and whether to flip."
+        dy = dx = self.crop_pad
+        if self.crop_pad > 0: dy, dx = torch.randint(0, 2 * self.crop_pad + 1, (2,), generator=generator).tolist()
+        flip = bool(self.flip and torch.randint(0, 2, (1,), generator=generator).item())
+        return dy, dx, flip
+
+    def __call__(self, images: Tensor, generators: Sequence[torch.Generator] | None = None) -> Tensor:
+        "Transform a batch; `generators` holds one generator per row (None: no random crop or flip)."
+        x = images.float().div(255) if images.dtype == torch.uint8 else images.float()
+        if generators is not None and self.random:
+            if len(generators) != len(x): raise ValueError(f"{len(generators)} generators for {len(x)} images")
+            draws = [self.draw(g) for g in generators]
+            if self.crop_pad > 0:
+                p, (h, w) = self.crop_pad, x.shape[-2:]
+                padded = F.pad(x, (p, p, p, p))
+                x = torch.stack([padded[k, :, dy:dy + h, dx:dx + w] for k, (dy, dx, _) in enumerate(draws)])
+            flip = torch.tensor([f for _, _, f in draws]).view(-1, 1, 1, 1)
+            x = torch.where(flip, x.flip(-1), x)
         if x.shape[-1] != self.size or x.shape[-2] != self.size:
-            x = F.interpolate(x[None], size=(self.size, self.size), mode='bilinear', align_corners=False)[0]
-        mean = torch.tensor(self.mean, dtype=x.dtype).view(-1, 1, 1)
-        std = torch.tensor(self.std, dtype=x.dtype).view(-1, 1, 1)
+            x = F.interpolate(x, size=(self.size, self.size), mode='bilinear', align_corners=False)
+        mean = torch.tensor(self.mean, dtype=x.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype).view(1, -1, 1, 1)
         return (x - mean) / std
+
+
+class RowBatch(list):
+    "The rows of one batch as `(x_i, y_i, i)` tuples (what a DataLoader's default collate expects) plus the stacked `(x, y, idx)`."
+    def __init__(self, stacked: tuple[Tensor, Tensor, Tensor]):
+        super().__init__(zip(*(t.unbind(0) for t in stacked)))
+        self.stacked = stacked
 
 
 class ImageRows(Dataset):
@@ -109,19 +127,30 @@ class ImageRows(Dataset):
 
     def __len__(self) -> int: return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
-        i = int(i)
-        if not 0 <= i < len(self): raise IndexError(f"row {i} is outside this split of {len(self)} rows")
-        x = self.images[i]
+    def fetch(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        "The batch `(x, y, idx)` of the given row ids, transformed (vectorised over the batch)."
+        rows = torch.as_tensor(rows, dtype=torch.long).flatten()
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(self)):
+            raise IndexError(f"row ids must lie in [0, {len(self)}) for this split")
+        x = self.images[rows]
         if self.transform is not None:
-            gen = torch.Generator().manual_seed(_mix(self.seed, self.epoch, i)) if self.transform.random else None
-            x = self.transform(x, gen)
-        return x, self.labels[i], torch.tensor(i)
+            gens = ([torch.Generator().manual_seed(_mix(self.seed, self.epoch, i)) for i in rows.tolist()]
+                    if self.transform.random else None)
+            x = self.transform(x, gens)
+        return x, self.labels[rows], rows
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        x, y, idx = self.fetch(torch.tensor([int(i)]))
+        return x[0], y[0], idx[0]
+
+    def __getitems__(self, rows: list[int]) -> RowBatch:
+        "Batched fetch used by `DataLoader` (one vectorised transform per batch instead of one per row)."
+        return RowBatch(self.fetch(torch.tensor(rows, dtype=torch.long)))
 
     @property
     def sample_shape(self) -> tuple[int, ...]: return tuple(self[0][0].shape) if len(self) else ()
 
-# %% ../nbs/03_data.ipynb #dce6d428
+# %% ../nbs/03_data.ipynb #906828fd
 @dataclass
 class Splits:
     "Train/validation/test data sets of one task, each yielding `(x, y, idx)`."
@@ -132,17 +161,29 @@ class Splits:
     in_chans: int
     classes: list[str] | None = None
 
+    @property
+    def img_size(self) -> int:
+        "Side of the (square) images the model receives, e.g. to build `create_model('deit_s', img_size=...)`."
+        return self.val.sample_shape[-1]
+
     def __repr__(self) -> str:
         return (f"Splits(train={len(self.train)}, val={len(self.val)}, test={len(self.test)}, "
                 f"num_classes={self.num_classes}, in_chans={self.in_chans}, x={self.train.sample_shape})")
 
 
-class TensorBatches:
-    "Batches of an in-memory, transform-free `ImageRows` gathered by tensor indexing."
+class PlanBatches:
+    "Batches of an epoch plan fetched in this process, one vectorised `ImageRows.fetch` per batch."
     def __init__(self, dataset: ImageRows, batches: list[Tensor]): self.dataset, self.batches = dataset, batches
     def __len__(self) -> int: return len(self.batches)
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        for b in self.batches: yield self.dataset.images[b], self.dataset.labels[b], b
+        for b in self.batches: yield self.dataset.fetch(b)
+
+
+def collate_rows(rows: list) -> tuple[Tensor, Tensor, Tensor]:
+    "Collate for `make_loader`: a `RowBatch` is already stacked; anything else goes through torch's default collate."
+    if isinstance(rows, RowBatch): return rows.stacked
+    from torch.utils.data import default_collate
+    return tuple(default_collate(rows))
 
 
 def _check_batches(batches: Sequence[Tensor], n_rows: int) -> list[Tensor]:
@@ -158,13 +199,13 @@ def _check_batches(batches: Sequence[Tensor], n_rows: int) -> list[Tensor]:
 
 
 def make_loader(dataset: ImageRows, batches: Sequence[Tensor], num_workers: int = 0,
-                pin_memory: bool = False) -> TensorBatches | DataLoader:
-    "An iterable of `(x, y, idx)` batches, one per entry of `batches` (index tensors into `dataset`), in order."
+                pin_memory: bool = False) -> PlanBatches | DataLoader:
+    "An iterable of `(x, y, idx)` batches, one per entry of `batches` (index tensors into `dataset`), in order; `num_workers > 0` prepares batches in worker processes."
     batches = _check_batches(batches, len(dataset))
-    if isinstance(dataset, ImageRows) and dataset.transform is None:
-        return TensorBatches(dataset, batches)
+    if num_workers == 0 and not pin_memory and isinstance(dataset, ImageRows):
+        return PlanBatches(dataset, batches)
     return DataLoader(dataset, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=False)
+                      pin_memory=pin_memory, collate_fn=collate_rows, persistent_workers=False)
 
 # %% ../nbs/03_data.ipynb #247a8957
 DIGITS_VAL, DIGITS_TEST = 180, 360

@@ -1,5 +1,6 @@
 """capskip.data: seeded stratified splits, (x, y, idx) rows, plan loaders, and CIFAR-100 read from real-format files."""
 import pickle
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from torch.utils.data import DataLoader
 
 from capskip.data import (CIFAR100_MEAN, CIFAR100_STD, IMAGENET_MEAN, IMAGENET_STD, CIFAR100Files, ImageRows,
                           ImageTransform, Splits, cifar100_splits, create_splits, digits_splits, make_loader,
@@ -47,7 +49,7 @@ def test_stratified_split_rejects_oversized_request():
 def test_digits_split_sizes_shapes_and_normalisation():
     from sklearn.datasets import load_digits
     s = digits_splits(img_size=16, seed=0)
-    assert isinstance(s, Splits) and (s.num_classes, s.in_chans) == (10, 1)
+    assert isinstance(s, Splits) and (s.num_classes, s.in_chans, s.img_size) == (10, 1, 16)
     assert [len(s.train), len(s.val), len(s.test)] == [1257, 180, 360]
     x, y, i = s.train[3]
     assert x.shape == (1, 16, 16) and x.dtype == torch.float32 and i.item() == 3 and y.item() == s.train.labels[3]
@@ -123,7 +125,68 @@ def test_augmented_loader_is_independent_of_workers(cifar_root):
     assert not torch.equal(list(make_loader(s.train, plan))[0][0], serial[0][0])
 
 
+def test_batched_fetch_equals_items_and_plain_dataloader_works(cifar_root):
+    s = cifar100_splits(cifar_root, seed=1)
+    s.train.set_epoch(4)
+    rows = torch.tensor([7, 3, 99, 3])
+    x, y, idx = s.train.fetch(rows)
+    for k, r in enumerate(rows.tolist()):
+        xi, yi, ii = s.train[r]
+        assert torch.equal(x[k], xi) and y[k] == yi and ii == r
+    # a user's own DataLoader with the default collate also gets (x, y, idx) batches
+    x2, y2, idx2 = next(iter(DataLoader(s.train, batch_size=4, shuffle=False)))
+    assert torch.equal(idx2, torch.arange(4)) and torch.equal(x2, s.train.fetch(torch.arange(4))[0])
+
+
 # ---------------------------------------------------------------- CIFAR-100 real-format round trip
+class _Py2Pickler(pickle._Pickler):
+    """Writes pickles the way Python 2's cPickle wrote the official CIFAR-100 files: byte strings as (SHORT_)BINSTRING
+    and NumPy globals under `numpy.core` (the files predate NumPy 2)."""
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_binstring(self, data):
+        if len(data) < 256: self.write(pickle.SHORT_BINSTRING + bytes([len(data)]) + data)
+        else: self.write(pickle.BINSTRING + struct.pack('<i', len(data)) + data)
+        self.memoize(data)
+
+    def save_text(self, text): self.save_binstring(text.encode('latin1'))
+
+    def save_global(self, obj, name=None):
+        module = obj.__module__.replace('numpy._core', 'numpy.core')
+        self.write(pickle.GLOBAL + module.encode() + b'\n' + (name or obj.__qualname__).encode() + b'\n')
+        self.memoize(obj)
+
+
+_Py2Pickler.dispatch[bytes] = _Py2Pickler.save_binstring
+_Py2Pickler.dispatch[str] = _Py2Pickler.save_text
+
+
+def test_cifar_python2_pickles_load(tmp_path):
+    folder = write_fake_cifar100(tmp_path, per_class_train=5, per_class_test=1, seed=4)
+    originals = {name: _read(folder / name) for name in ('train', 'test', 'meta')}
+    for name, entry in originals.items():
+        with open(folder / name, 'wb') as f: _Py2Pickler(f, protocol=2).dump(entry)
+    assert b'numpy.core.multiarray' in (folder / 'train').read_bytes()
+    s = cifar100_splits(tmp_path, seed=0)
+    assert [len(s.train), len(s.val), len(s.test)] == [450, 50, 100]
+    assert torch.equal(s.test.images.reshape(100, 3072), torch.from_numpy(originals['test']['data']))
+    assert s.classes == originals['meta']['fine_label_names']
+
+
+def test_cifar_download_passes_through_to_torchvision(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as tv_cifar
+    calls = []
+
+    def fake_download(url, download_root, filename=None, md5=None, **kw):
+        calls.append((url, md5))
+        write_fake_cifar100(download_root, per_class_train=2, per_class_test=1)
+
+    monkeypatch.setattr(tv_cifar, 'download_and_extract_archive', fake_download)
+    s = cifar100_splits(tmp_path, download=True)
+    assert calls and calls[0][0].endswith('cifar-100-python.tar.gz') and calls[0][1]  # the official archive, md5-checked
+    assert len(s.train) + len(s.val) == 200
+
+
 def _read(path):
     with open(path, 'rb') as f: return pickle.load(f, encoding='latin1')
 
@@ -259,4 +322,5 @@ def test_image_rows_validates_inputs():
     with pytest.raises(ValueError, match='labels'): ImageRows(torch.zeros(3, 1, 4, 4), torch.zeros(2))
     with pytest.raises(IndexError): ImageRows(torch.zeros(3, 1, 4, 4), torch.zeros(3))[3]
     t = ImageTransform(size=4, mean=(0.,), std=(1.,))
-    assert torch.equal(t(torch.full((1, 4, 4), 255, dtype=torch.uint8)), torch.ones(1, 4, 4))
+    assert torch.equal(t(torch.full((2, 1, 4, 4), 255, dtype=torch.uint8)), torch.ones(2, 1, 4, 4))
+    with pytest.raises(ValueError, match='generators'): ImageTransform(4, (0.,), (1.,), flip=True)(torch.zeros(2, 1, 4, 4), [torch.Generator()])
