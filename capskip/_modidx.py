@@ -472,4 +472,5 @@ d = { 'settings': { 'branch': 'main',
                                'capskip.train.resolve_device': ('train.html#resolve_device', 'capskip/train.py'),
                                'capskip.train.restore_checkpoint': ('train.html#restore_checkpoint', 'capskip/train.py'),
                                'capskip.train.train': ('train.html#train', 'capskip/train.py'),
-                               'capskip.train.train_epoch': ('train.html#train_epoch', 'capskip/train.py')}}}
+                               'capskip.train.train_epoch': ('train.html#train_epoch', 'capskip/train.py'),
+                               'capskip.train.warm_up': ('train.html#warm_up', 'capskip/train.py')}}}
