@@ -158,7 +158,7 @@ def compare(kind: str, arm: dict, ref: dict, notes: Notes, context: str) -> Comp
         return None
     return (paired_difference if kind == 'difference' else paired_ratio)(arm, ref)
 
-# %% ../nbs/07a_results.ipynb #978e0477
+# %% ../nbs/07a_results.ipynb #3e100477
 @dataclass
 class Table:
     "A report table: Markdown headers/rows and CSV records."
@@ -169,9 +169,9 @@ class Table:
     rows: list = field(default_factory=list)
     records: list = field(default_factory=list)
 
-    def markdown(self) -> str:
-        "The table as GitHub Markdown with its title and note."
-        lines = [f'### {self.title}', '', self.note, '', '| ' + ' | '.join(self.headers) + ' |',
+    def markdown(self, level: int = 3) -> str:
+        "The table as GitHub Markdown with its title (a heading of `level`) and note."
+        lines = ['#' * level + f' {self.title}', '', self.note, '', '| ' + ' | '.join(self.headers) + ' |',
                  '|' + '---|' * len(self.headers)]
         lines += ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in self.rows]
         return '\n'.join(lines) + '\n'
