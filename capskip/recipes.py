@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 __all__ = ['RECIPES', 'TrainConfig', 'list_recipes', 'get_recipe', 'parse_value', 'apply_overrides', 'parse_set',
            'validate_config', 'resolve_config', 'recipes_table', 'main']
 
-# %% ../nbs/05a_recipes.ipynb #ed007038
+# %% ../nbs/05a_recipes.ipynb #83c61e30
 @dataclass
 class TrainConfig:
     "Every field of a training run (defaults: the small digits recipe)."
@@ -64,6 +64,7 @@ class TrainConfig:
     # numerics and hardware
     amp: str = 'none'                         # 'none' | 'bf16' (autocast)
     device: str = 'auto'                      # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | ...
+    warmup: bool = True                       # compile/warm the step once before the clock starts (no update)
     # sweep defaults and bookkeeping
     seeds: list = field(default_factory=lambda: [1, 2, 3])
     epoch_budgets: list = field(default_factory=list)
