@@ -154,7 +154,7 @@ class ImageRows(Dataset):
     @property
     def sample_shape(self) -> tuple[int, ...]: return tuple(self[0][0].shape) if len(self) else ()
 
-# %% ../nbs/03_data.ipynb #906828fd
+# %% ../nbs/03_data.ipynb #7a634260
 @dataclass
 class Splits:
     "Train/validation/test data sets of one task, each yielding `(x, y, idx)`."
@@ -211,7 +211,7 @@ def make_loader(dataset: ImageRows, batches: Sequence[Tensor], num_workers: int 
     return DataLoader(dataset, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
                       pin_memory=pin_memory, collate_fn=collate_rows, persistent_workers=False)
 
-# %% ../nbs/03_data.ipynb #247a8957
+# %% ../nbs/03_data.ipynb #40959940
 DIGITS_VAL, DIGITS_TEST = 180, 360
 
 
@@ -232,7 +232,7 @@ def digits_splits(img_size: int = 16, seed: int = 0, in_chans: int = 1) -> Split
     return Splits(part(train), part(val), part(test), num_classes=10, in_chans=in_chans,
                   classes=[str(d) for d in range(10)])
 
-# %% ../nbs/03_data.ipynb #5c6e8d4e
+# %% ../nbs/03_data.ipynb #93c5bac6
 _CIFAR_HELP = ("Get CIFAR-100 with `--download` (or `cifar100_splits(root, download=True)`) on a machine with "
                "internet, or download https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz and extract it "
                "so that {root}/cifar-100-python/ holds the files `train`, `test` and `meta`.")
@@ -280,7 +280,7 @@ def _validate_split_entry(entry: dict, path: Path, root: Path) -> tuple[np.ndarr
     if problem: raise ValueError(f"CIFAR-100 file {path} is malformed: {problem}. " + _CIFAR_HELP.format(root=root))
     return data, labels
 
-# %% ../nbs/03_data.ipynb #7c477b13
+# %% ../nbs/03_data.ipynb #d7b80b88
 import torchvision
 
 
@@ -309,7 +309,7 @@ class CIFAR100Files(torchvision.datasets.CIFAR100):
         self.classes = names
         self.class_to_idx = {c: i for i, c in enumerate(names)}
 
-# %% ../nbs/03_data.ipynb #313125ae
+# %% ../nbs/03_data.ipynb #32eb7640
 def cifar100_transforms(img_size: int = 32, augment: bool = True) -> tuple[ImageTransform, ImageTransform]:
     "(train, eval) transforms: 32 px → pad-4 crop + flip, CIFAR statistics; other sizes → resize + flip, ImageNet statistics."
     if img_size == 32:
@@ -338,7 +338,7 @@ def cifar100_splits(root: str | Path, img_size: int = 32, augment: bool = True, 
                   ImageRows(test_images, torch.tensor(test_files.targets), eval_tf, seed=seed),
                   num_classes=100, in_chans=3, classes=list(train_files.classes))
 
-# %% ../nbs/03_data.ipynb #45991938
+# %% ../nbs/03_data.ipynb #05de3944
 def write_fake_cifar100(root: str | Path, per_class_train: int = 10, per_class_test: int = 2, seed: int = 0,
                         protocol: int = 2) -> Path:
     "Write random images in the official CIFAR-100 pickle layout under `root/cifar-100-python` (for tests and demos)."
@@ -357,7 +357,7 @@ def write_fake_cifar100(root: str | Path, per_class_train: int = 10, per_class_t
     with open(folder / 'meta', 'wb') as f: pickle.dump(meta, f, protocol=protocol)
     return folder
 
-# %% ../nbs/03_data.ipynb #8c920117
+# %% ../nbs/03_data.ipynb #3120fee5
 def synthetic_splits(n: int, img_size: int, num_classes: int, in_chans: int = 3, seed: int = 0,
                      n_val: int | None = None, n_test: int | None = None) -> Splits:
     "Gaussian images `[in_chans, img_size, img_size]` plus a class prototype; `n` train rows, 10% of `n` each for val/test by default."
@@ -373,7 +373,7 @@ def synthetic_splits(n: int, img_size: int, num_classes: int, in_chans: int = 3,
     cut = lambda a, b: ImageRows(images[a:b], labels[a:b], seed=seed)
     return Splits(cut(0, n), cut(n, n + n_val), cut(n + n_val, total), num_classes=num_classes, in_chans=in_chans)
 
-# %% ../nbs/03_data.ipynb #dbaa40c1
+# %% ../nbs/03_data.ipynb #52a9a27d
 SPLITS = {'digits': digits_splits, 'cifar100': cifar100_splits, 'synthetic': synthetic_splits}
 
 

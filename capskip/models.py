@@ -39,7 +39,7 @@ def batchnorm_to_groupnorm(model: nn.Module, groups: int = 32) -> nn.Module:
         setattr(model, name, batchnorm_to_groupnorm(child, groups))
     return model
 
-# %% ../nbs/04_models.ipynb #08abd072
+# %% ../nbs/04_models.ipynb #22130fa4
 def final_linear(model: nn.Module) -> nn.Linear:
     "The model's last `nn.Linear` (in module order): the head whose input features CAPSkip selects on."
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -101,13 +101,14 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
     model.load_state_dict(state, strict=False)  # only the classifier is left out, checked above
     return model
 
-# %% ../nbs/04_models.ipynb #72c06612
+# %% ../nbs/04_models.ipynb #9cbb9f4e
 def resnet18_gn(num_classes: int = 100, in_chans: int = 3, groups: int = 32) -> nn.Module:
     "torchvision ResNet-18 with GroupNorm(`groups`) and a CIFAR stem (3×3 conv, stride 1, no max-pool)."
     import torchvision
     norm = lambda channels: nn.GroupNorm(largest_divisor(channels, groups), channels)
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes, norm_layer=norm)
     model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')  # as torchvision inits its convs
     model.maxpool = nn.Identity()
     return model
 
@@ -141,7 +142,7 @@ def digits_cnn(num_classes: int = 10, in_chans: int = 1, width: int = 32) -> nn.
     return nn.Sequential(*block(in_chans, width, 1), *block(width, 2 * width, 2), *block(2 * width, 2 * width, 2),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes))
 
-# %% ../nbs/04_models.ipynb #fb5652be
+# %% ../nbs/04_models.ipynb #35284a37
 MODELS: dict[str, Callable[..., nn.Module]] = {'resnet18_gn': resnet18_gn, 'deit_s': deit_s,
                                                  'vit_tiny': vit_tiny, 'digits_cnn': digits_cnn}
 

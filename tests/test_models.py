@@ -50,6 +50,8 @@ def test_resnet18_gn_structure():
     assert feats['l4'] == (1, 512, 4, 4)  # CIFAR stem: 32 px -> 4x4 at the last stage (ImageNet stem gives 1x1)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(11.2e6, rel=0.02)
     assert create_model('resnet18_gn', num_classes=10, in_chans=1).conv1.in_channels == 1
+    fan_out = 64 * 9  # the CIFAR stem is initialised like torchvision's convs (Kaiming normal, fan-out)
+    assert model.conv1.weight.std().item() == pytest.approx((2 / fan_out) ** 0.5, rel=0.1)
 
 
 def test_deit_s_defaults():
