@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['MODES', 'RowDependenceError', 'row_dependence_message', 'find_head', 'ce_grad_logits', 'Forward', 'Engine']
+__all__ = ['MODES', 'RowDependenceError', 'row_dependence_message', 'find_head', 'FeatureBox', 'ce_grad_logits', 'Forward',
+           'Engine']
 
 # %% ../nbs/01_engine.ipynb #f271acf3
 MODES = ('dense', 'masked', 'reforward', 'reuse')
@@ -37,7 +38,12 @@ def find_head(model: nn.Module) -> nn.Linear:
         raise ValueError(f'{type(model).__name__} has no nn.Linear: pass head=<the final affine module> to Engine')
     return linears[-1]
 
-# %% ../nbs/01_engine.ipynb #654fa67c
+# %% ../nbs/01_engine.ipynb #bfa28e82
+class FeatureBox:
+    "Where the head's forward hook stores its (detached) input."
+    value: torch.Tensor | None = None
+
+# %% ../nbs/01_engine.ipynb #3789b323
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
     "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32."
@@ -53,7 +59,7 @@ def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: tor
     scale = torch.full((B,), 1.0 / den, device=grad.device) if row_weights is None else row_weights.detach().float() / den
     return grad * scale[:, None]
 
-# %% ../nbs/01_engine.ipynb #fc33d353
+# %% ../nbs/01_engine.ipynb #5ee7cde5
 @dataclass
 class Forward:
     "One forward of every row: `logits` [B, C] and `features` [B, d] (the head's input), plus what the backward needs."
@@ -63,7 +69,7 @@ class Forward:
     state: Any = field(default=None, repr=False)   # autograd graph, inputs, or saved activations (mode-specific)
     used: bool = False
 
-# %% ../nbs/01_engine.ipynb #c6c3b17e
+# %% ../nbs/01_engine.ipynb #66afb590
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     "Whether autocast is on for `device_type`, and its dtype (replayed by reforward's second forward)."
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
@@ -73,7 +79,7 @@ def _zero_missing_grads(params: list[nn.Parameter]) -> None:
     for p in params:
         if p.grad is None: p.grad = torch.zeros_like(p)
 
-# %% ../nbs/01_engine.ipynb #c5f27330
+# %% ../nbs/01_engine.ipynb #5312ddeb
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`."
     def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None):
@@ -83,20 +89,20 @@ class Engine:
         self.head = find_head(model) if head is None else head
         if not any(m is self.head for m in model.modules()):
             raise ValueError('head must be a submodule of model (the final affine layer whose input are the features)')
-        self._features: torch.Tensor | None = None
+        self._box = FeatureBox()
         self._hook = self.head.register_forward_hook(self._capture)
         self._checked: set = set()      # signatures already probed for row independence
         self._reuse = None              # capskip._aot.ReuseRunner, built lazily
 
     def _capture(self, module, inputs, output):
-        self._features = inputs[0]
+        self._box.value = inputs[0].detach()
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _take_features(self) -> torch.Tensor:
-        feats, self._features = self._features, None
+        feats, self._box.value = self._box.value, None
         if feats is None: raise RuntimeError('the head was not called in the forward: pass head=<final affine module>')
         return feats
 
@@ -111,12 +117,15 @@ class Engine:
         if self.mode in ('dense', 'masked'):
             logits = self.model(x)
             return Forward(logits, self._take_features(), self.mode, state=None)
-        if self.mode == 'reforward':
-            self._check_rows(x)
-            with torch.no_grad():
-                logits = self.model(x)
-            return Forward(logits, self._take_features(), self.mode, state=(x, _autocast_state(x.device.type)))
+        if self.mode == 'reforward': return self._forward_reforward(x)
         return self._reuse_runner().forward(x)
+
+    def _forward_reforward(self, x: torch.Tensor) -> Forward:
+        "Forward without autograd; the backward re-runs the kept rows (also `reuse`'s logged fallback)."
+        self._check_rows(x)
+        with torch.no_grad():
+            logits = self.model(x)
+        return Forward(logits, self._take_features(), 'reforward', state=(x, _autocast_state(x.device.type)))
 
     def _check_rows(self, x: torch.Tensor) -> None:
         "Probe row independence once per (input shape, dtype, device, train mode)."
@@ -156,7 +165,7 @@ class Engine:
             idx = keep.nonzero().squeeze(1)
             with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_on):
                 logits = self.model(x.index_select(0, idx))
-            self._features = None
+            self._box.value = None
             logits.backward(grad_logits.index_select(0, idx).to(logits.dtype))
             return kept
         self._reuse_runner().backward(fwd, grad_logits, keep, kept)
