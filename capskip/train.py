@@ -187,7 +187,7 @@ def _stat(stats, *names):
         if value is not None: return value
     return None
 
-# %% ../nbs/05_train.ipynb #b60f9079
+# %% ../nbs/05_train.ipynb #13902e5d
 def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> dict:
     "Train one epoch (`state.epoch` is the 0-based index); returns the epoch's row without evaluation."
     from capskip.data import make_loader
@@ -208,8 +208,7 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
     counter = CorrectCounter(policy, device)
     bar = tqdm(total=len(batches), desc=f'{cfg.arm} {epoch + 1}/{cfg.epochs}', leave=False,
                disable=progress != 'bar' or (dist is not None and dist.rank != 0), dynamic_ncols=True)
-    state.model.train()
-    opt.zero_grad(set_to_none=True)
+    state.model.train()   # no zero_grad here: a pooling policy may carry gradients into the next epoch
     steps, lr, seen, stats = 0, None, 0, None
     nonempty = [b for b in batches if len(b)]
     loader = iter(make_loader(train, nonempty, num_workers=cfg.num_workers)) if nonempty else iter(())
@@ -252,27 +251,29 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
             **{k: counters.get(k) for k in ('rows_forwarded', 'rows_backprop', 'kept_fraction',
                                             'mean_distortion', 'rows_pruned')}}
 
-# %% ../nbs/05_train.ipynb #1670b6a4
+# %% ../nbs/05_train.ipynb #ed2fc4c6
 def warm_up(state: RunState) -> float:
-    "Run the policy on one full and one final-size batch without updating anything; returns the seconds spent."
+    "Run the policy on the largest and smallest batch of the next epoch's plan without updating anything; returns seconds."
     from capskip.data import make_loader
     cfg, policy, train = state.config, state.policy, state.splits.train
-    n = len(train)
-    sizes = sorted({min(cfg.batch_size, n), n % cfg.batch_size or min(cfg.batch_size, n)}, reverse=True)
     saved = copy.deepcopy(policy.state_dict())
     _sync(state.device); start = time.perf_counter()
     with torch.random.fork_rng(devices=[state.device] if state.device.type == 'cuda' else []):
-        for size in sizes:
-            x, y, idx = next(iter(make_loader(train, [torch.arange(size)])))
+        plan = policy.plan_epoch(state.epoch, cfg.epochs, len(train), cfg.batch_size)
+        batches = sorted((b for b in plan.batches if len(b)), key=len)
+        for rows in ({len(b): b for b in batches[-1:] + batches[:1]}).values():
+            x, y, idx = next(iter(make_loader(train, [rows])))
+            w = None if plan.weights is None else plan.weights[idx]
             with autocast_context(state.device, cfg.amp):
-                policy.step(x.to(state.device), y.to(state.device), idx.to(state.device), weights=None)
+                policy.step(x.to(state.device), y.to(state.device), idx.to(state.device),
+                            weights=None if w is None else w.to(state.device))
             state.optimizer.zero_grad(set_to_none=True)
     _sync(state.device); elapsed = time.perf_counter() - start
     policy.counters()                       # discard the warm-up's counts
     policy.load_state_dict(saved)
     return elapsed
 
-# %% ../nbs/05_train.ipynb #1dd2a1fc
+# %% ../nbs/05_train.ipynb #960a2ee2
 VOLATILE_FIELDS = ('data_root', 'download', 'num_workers', 'device', 'eval_batch_size', 'description', 'notes')
 
 def _comparable(config: dict) -> dict:
@@ -295,6 +296,7 @@ def checkpoint_state(state: RunState) -> dict:
             'config': json.dumps(state.config.to_dict()), 'model': state.model.state_dict(),
             'optimizer': state.optimizer.state_dict(), 'policy': state.policy.state_dict(),
             'scheduler': {'schedule': state.config.schedule, 'peak_lr': state.peak_lr},
+            'pending_grads': {n: p.grad.detach().clone() for n, p in state.model.named_parameters() if p.grad is not None},
             'generators': {'global': torch.get_rng_state()}}
 
 def restore_checkpoint(state: RunState, ckpt: dict) -> RunState:
@@ -302,6 +304,8 @@ def restore_checkpoint(state: RunState, ckpt: dict) -> RunState:
     state.model.load_state_dict(ckpt['model'])
     state.optimizer.load_state_dict(ckpt['optimizer'])
     state.policy.load_state_dict(ckpt['policy'])
+    pending = ckpt.get('pending_grads', {})
+    for name, p in state.model.named_parameters(): p.grad = pending[name].to(p.device) if name in pending else None
     state.epoch, state.train_time_s = int(ckpt['epoch']), float(ckpt['train_time_s'])
     state.rows = json.loads(ckpt['rows'])
     return state
@@ -328,7 +332,7 @@ def final_summary(state: RunState) -> dict:
 def _log(progress: str, text: str, dist=None) -> None:
     if progress != 'none' and (dist is None or dist.rank == 0): tqdm.write(text)
 
-# %% ../nbs/05_train.ipynb #8fbb315f
+# %% ../nbs/05_train.ipynb #6798ad90
 def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, progress: str = 'bar',
           stop_after: int | None = None, dist=None) -> dict:
     """Run (or finish, or reuse) one run; returns its `final.json` content, or the last row when stopped early.
@@ -358,12 +362,12 @@ def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, p
     state = RunState(config, device, splits, model, policy, optimizer, peak_lr, dist=dist)
     meta = run_metadata(config.seed, device)
     if dist is not None: meta['world_size'] = dist.world_size
+    warmup_s = warm_up(state) if config.warmup else 0.0   # before restoring: a checkpoint overwrites its traces
     if ckpt_path.exists():
         restore_checkpoint(state, load_checkpoint(ckpt_path, map_location=device))
         saved = read_json(folder / 'config.json') if (folder / 'config.json').exists() else {}
         meta = dict(saved.get('meta', meta), resumed=saved.get('meta', {}).get('resumed', []) + [meta['start_time']])
         _log(progress, f'{folder}: resuming after epoch {state.epoch}', dist)
-    warmup_s = warm_up(state) if config.warmup and state.epoch < config.epochs else 0.0
     if is_main: write_json(folder / 'config.json', dict(config.to_dict(), meta=meta))
     last = stop_after if stop_after is not None else config.epochs
     while state.epoch < min(last, config.epochs):
