@@ -15,7 +15,7 @@ from torch import nn
 __all__ = ['HEAD_PREFIXES', 'MODELS', 'largest_divisor', 'batchnorm_to_groupnorm', 'final_linear', 'zero_head', 'read_state_dict',
            'load_pretrained', 'resnet18_gn', 'deit_s', 'vit_tiny', 'digits_cnn', 'list_models', 'create_model']
 
-# %% ../nbs/04_models.ipynb #aa317d69
+# %% ../nbs/04_models.ipynb #976fb15c
 def largest_divisor(channels: int, at_most: int) -> int:
     "The largest divisor of `channels` that is at most `at_most` (a valid GroupNorm group count)."
     if channels < 1 or at_most < 1: raise ValueError(f"channels and at_most must be positive, got {channels}, {at_most}")
@@ -28,7 +28,7 @@ def _groupnorm_like(bn: nn.modules.batchnorm._BatchNorm, groups: int) -> nn.Grou
     if bn.affine:
         with torch.no_grad():
             gn.weight.copy_(bn.weight); gn.bias.copy_(bn.bias)
-    return gn.to(device=bn.weight.device if bn.affine else None)
+    return gn.to(device=bn.weight.device, dtype=bn.weight.dtype) if bn.affine else gn
 
 
 def batchnorm_to_groupnorm(model: nn.Module, groups: int = 32) -> nn.Module:

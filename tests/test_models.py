@@ -169,4 +169,6 @@ def test_batchnorm_to_groupnorm_group_rule_and_flat_inputs():
     h = net[:2](torch.randn(4, 5))
     assert h.shape == (4, 20) and h.std(dim=1).min() > 0.5  # flat features keep information
     assert isinstance(batchnorm_to_groupnorm(nn.BatchNorm2d(8)), nn.GroupNorm)
+    gn = batchnorm_to_groupnorm(nn.BatchNorm2d(8).double())
+    assert gn.weight.dtype == torch.float64 and gn(torch.randn(2, 8, 3, 3, dtype=torch.float64)).dtype == torch.float64
     with pytest.raises(ValueError, match='groups'): batchnorm_to_groupnorm(net, groups=0)
