@@ -1,0 +1,209 @@
+"""`capskip report` on results folders written here in the runner's format (independently of capskip's own
+synthetic writer), checked against SciPy; and once on a real tiny folder from `capskip train`."""
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from capskip.report import build_report, main, report_markdown
+from capskip.results import load_runs, read_run
+from capskip.tables import check_bench_rows
+
+
+def write_run(root, recipe, arm, seed, epochs, time_s, acc, *, finish=True, kept=1.0, budget=0.09, final_extra=None,
+              config_extra=None, n_rows=100):
+    "One run folder exactly as DEVELOPING.md's 'Results folder' describes it (accuracies as fractions)."
+    folder = root / recipe / arm / f'seed{seed}' / f'ep{epochs}'
+    folder.mkdir(parents=True)
+    config = {'recipe': recipe, 'arm': arm, 'seed': seed, 'epochs': epochs, 'policy_kw': {'budget': budget},
+              'time_matched': None, 'meta': {'git_commit': 'abc', 'device': 'cpu'}, **(config_extra or {})}
+    (folder / 'config.json').write_text(json.dumps(config))
+    rows = [{'epoch': e, 'train_time_s': time_s * e / epochs, 'lr': 0.1, 'loss': 1.0, 'train_acc': acc, 'val_acc': acc,
+             'test_acc': acc if e == epochs else None, 'rows_forwarded': n_rows, 'rows_backprop': round(kept * n_rows),
+             'kept_fraction': kept, 'mean_distortion': 0.05 if kept < 1 else 0.0, 'rows_pruned': 0}
+            for e in range(1, epochs + 1)]
+    (folder / 'results.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    if finish:
+        final = {'recipe': recipe, 'arm': arm, 'seed': seed, 'epochs': epochs, 'train_time_s': time_s, 'val_acc': acc,
+                 'test_acc': acc, 'rows_backprop_frac': kept, 'kept_fraction': kept, 'complete': True, **(final_extra or {})}
+        (folder / 'final.json').write_text(json.dumps(final))
+    return folder
+
+
+def read_csv(path):
+    with open(path, newline='') as f:
+        return list(csv.DictReader(f))
+
+
+def scipy_interval(values):
+    values = np.asarray(values, dtype=np.float64)
+    return sps.t.interval(0.95, len(values) - 1, loc=values.mean(), scale=sps.sem(values))
+
+
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / 'runs'
+    times = {'dense': {4: [40.0, 42.0, 41.0], 8: [80.0, 83.0, 81.0]}, 'capskip': {4: [31.0, 33.5, 32.0], 8: [62.0, 66.0, 64.0]}}
+    accs = {'dense': {4: [0.700, 0.712, 0.705], 8: [0.760, 0.771, 0.758]}, 'capskip': {4: [0.704, 0.709, 0.711], 8: [0.762, 0.768, 0.765]}}
+    for arm in times:
+        for e in times[arm]:
+            for i, s in enumerate((1, 2, 3)):
+                write_run(root, 'r', arm, s, e, times[arm][e][i], accs[arm][e][i], kept=1.0 if arm == 'dense' else 0.6)
+    return root, times, accs
+
+
+def test_equal_epoch_numbers_match_scipy(folder, tmp_path):
+    root, times, accs = folder
+    assert main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
+    rows = {int(r['epochs']): r for r in read_csv(tmp_path / 'rep' / 'r__equal_epochs.csv') if r['arm'] == 'capskip'}
+    for e in (4, 8):
+        diffs = 100 * (np.array(accs['capskip'][e]) - np.array(accs['dense'][e]))
+        lo, hi = scipy_interval(diffs)
+        assert float(rows[e]['acc_diff_pp']) == pytest.approx(diffs.mean(), rel=1e-9)
+        assert (float(rows[e]['acc_diff_pp_lo']), float(rows[e]['acc_diff_pp_hi'])) == pytest.approx((lo, hi), rel=1e-9)
+        assert rows[e]['acc_diff_pp_label'] == ('better' if lo > 0 else 'worse' if hi < 0 else 'unresolved')
+        logs = np.log(np.array(times['capskip'][e]) / np.array(times['dense'][e]))
+        lo, hi = scipy_interval(logs)
+        assert float(rows[e]['time_ratio']) == pytest.approx(math.exp(logs.mean()), rel=1e-9)
+        assert (float(rows[e]['time_ratio_lo']), float(rows[e]['time_ratio_hi'])) == pytest.approx((math.exp(lo), math.exp(hi)), rel=1e-9)
+        assert rows[e]['time_ratio_label'] == 'faster'
+        assert float(rows[e]['rows_bwd_pct']) == pytest.approx(60.0)
+    text = (tmp_path / 'rep' / 'report.md').read_text()
+    assert 'equivalent' not in text
+    # every seed is paired; the only notes are capskip's 4-epoch runs, faster than any dense run (no dense margin there)
+    missing = read_csv(tmp_path / 'rep' / 'missing.csv')
+    assert {m['where'] for m in missing} == {'r/capskip/ep4 seed1', 'r/capskip/ep4 seed2', 'r/capskip/ep4 seed3', 'r/capskip/ep4 (dense margin)'}
+
+
+def test_tta_and_dense_margin_match_hand_computation(folder):
+    root, times, accs = folder
+    report = build_report(root, targets=[74.0, 80.0])
+    tables = {t.name: t for t in report.sections[('', 'r')]}
+    tta = {r['target_pct']: r for r in tables['time_to_accuracy'].records}
+    def tta_by_hand(arm, s):   # the target 74% lies between the 4- and 8-epoch accuracies of every seed
+        a4, a8, t4, t8 = 100 * accs[arm][4][s], 100 * accs[arm][8][s], times[arm][4][s], times[arm][8][s]
+        return t4 + (74.0 - a4) / (a8 - a4) * (t8 - t4)
+    ratios = [tta_by_hand('capskip', i) / tta_by_hand('dense', i) for i in range(3)]
+    assert tta[74.0]['tta_ratio'] == pytest.approx(sps.gmean(ratios), rel=1e-9)
+    assert tta[74.0]['arm_tta_s_seed2'] == pytest.approx(tta_by_hand('capskip', 1), rel=1e-12)
+    assert tta[80.0]['tta_ratio'] is None and tta[80.0]['not_reached']        # never reached: reported, not dropped
+    assert any('target 80.00% never reached' in p for _, p in report.notes.items)
+    # dense margin of capskip at 8 epochs: its time lies between dense's 4- and 8-epoch times on every seed
+    margins = []
+    for i in range(3):
+        t, (t4, t8), (a4, a8) = times['capskip'][8][i], (times['dense'][4][i], times['dense'][8][i]), (accs['dense'][4][i], accs['dense'][8][i])
+        margins.append(100 * (accs['capskip'][8][i] - (a4 + (t - t4) / (t8 - t4) * (a8 - a4))))
+    ctrl = next(r for r in tables['controls'].records if (r['arm'], r['epochs']) == ('capskip', 8))
+    assert ctrl['dense_margin_pp'] == pytest.approx(np.mean(margins), rel=1e-9)
+    assert (ctrl['dense_margin_pp_lo'], ctrl['dense_margin_pp_hi']) == pytest.approx(scipy_interval(margins), rel=1e-9)
+    # capskip at 4 epochs runs faster than any dense run: outside the envelope, listed per seed
+    assert sum('outside the dense envelope' in p for _, p in report.notes.items) == 3
+
+
+def test_partial_unpaired_and_inconsistent_runs_are_listed(folder, tmp_path):
+    root, _, _ = folder
+    write_run(root, 'r', 'capskip', 4, 8, 60.0, 0.77)                                  # no dense partner
+    write_run(root, 'r', 'dense', 5, 8, 80.0, 0.77, finish=False)                       # killed run
+    write_run(root, 'r', 'selective_backprop', 1, 8, 60.0, 0.75, kept=0.4)               # a single seed
+    write_run(root, 'r', 'random_rescale', 1, 8, 60.0, 0.75, final_extra={'complete': False})
+    write_run(root, 'r', 'random_rescale', 2, 8, 60.0, 0.75, final_extra={'seed': 7})
+    bad = write_run(root, 'r', 'random_rescale', 3, 8, 60.0, 0.75)
+    (bad / 'final.json').write_text('{"recipe": "r", ')                                  # truncated JSON
+    assert main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
+    missing = read_csv(tmp_path / 'rep' / 'missing.csv')
+    problems = {(m['where'], m['problem']) for m in missing}
+    assert ('r/dense/seed5/ep8', 'partial: no final.json (8 of 8 epochs logged)') in problems
+    assert ('r/random_rescale/seed1/ep8', 'final.json is not marked complete') in problems
+    assert ('r/random_rescale/seed2/ep8', 'final.json says seed=7 but the folder says 2') in problems
+    assert any(w == 'r/random_rescale/seed3/ep8' and p.startswith('unreadable final.json') for w, p in problems)
+    assert any(w == 'r/capskip/ep8 seed4' and 'left out of the pairing' in p for w, p in problems)
+    assert any(w.startswith('r/selective_backprop/ep8') and 'only 1 seed pair(s)' in p for w, p in problems)
+    eq = {(r['arm'], r['epochs']): r for r in read_csv(tmp_path / 'rep' / 'r__equal_epochs.csv')}
+    assert eq[('capskip', '8')]['n'] == '3'                    # seed 4 is unpaired, seeds 1-3 stay paired
+    assert eq[('selective_backprop', '8')]['time_ratio'] == ''  # no interval from one pair, and no number pretending
+    text = (tmp_path / 'rep' / 'report.md').read_text()
+    assert '**' in text and 'entries under "Missing / partial runs"' in text
+
+
+def test_time_matched_prefers_the_sweep_marker(tmp_path):
+    root = tmp_path / 'runs'
+    for s, (tc, t5, t6) in enumerate([(50.0, 52.0, 60.0), (51.0, 51.0, 62.0)], start=1):
+        write_run(root, 'r', 'capskip', s, 8, tc, 0.75, kept=0.5)
+        write_run(root, 'r', 'dense', s, 8, 80.0, 0.76)
+        write_run(root, 'r', 'dense', s, 5, t5, 0.72)
+        write_run(root, 'r', 'dense', s, 6, t6, 0.74, config_extra={'time_matched': {'arm': 'capskip', 'epochs': 8}})
+    report = build_report(root)
+    rec = next(t for t in report.sections[('', 'r')] if t.name == 'time_matched').records
+    assert [(r['epochs'], r['reference_epochs'], r['matched_by']) for r in rec] == [(8, 6, 'sweep marker')]
+    assert rec[0]['time_ratio'] == pytest.approx(math.sqrt(50 / 60 * 51 / 62), rel=1e-12)
+
+
+def test_budget_sweep_and_bench_figures(tmp_path):
+    root = tmp_path / 'runs'
+    for b, k in ((0.05, 0.8), (0.09, 0.7), (0.4, 0.5), (1.0, 0.48)):
+        write_run(root / f'b{b}', 'r', 'capskip', 1, 3, 10.0, 0.7, kept=k, budget=b)
+    bench = [{'model': 'm', 'mode': 'dense', 'keep': 1.0, 'forward_ms': 2.0, 'selector_ms': None, 'gather_ms': None,
+              'backward_ms': 4.0, 'optimizer_ms': 0.5, 'ratio': 1.0, 'ideal': 1.0, 'overhead': 0.0, 'peak_mem_ratio': 1.0},
+             {'model': 'm', 'mode': 'reuse', 'keep': 0.5, 'forward_ms': 2.0, 'selector_ms': 0.1, 'gather_ms': 0.2,
+              'backward_ms': 2.0, 'optimizer_ms': 0.5, 'ratio': 0.74, 'ideal': 2 / 3, 'overhead': 0.073, 'peak_mem_ratio': 1.1}]
+    (tmp_path / 'bench.json').write_text(json.dumps(bench))
+    out = tmp_path / 'rep'
+    assert main([str(root), '--out', str(out), '--bench-json', str(tmp_path / 'bench.json')]) == 0
+    kept = read_csv(out / 'kept_vs_budget.csv')
+    assert [(float(r['budget']), float(r['kept_fraction'])) for r in kept] == [(0.05, 0.8), (0.09, 0.7), (0.4, 0.5), (1.0, 0.48)]
+    assert [r['mode'] for r in read_csv(out / 'step_phases.csv')] == ['dense', 'reuse']
+    for png in ('kept_vs_budget.png', 'step_phases.png'):
+        assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+        assert f']({png})' in (out / 'report.md').read_text()
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+    assert main([str(tmp_path / 'missing')]) == 2
+    assert 'does not exist' in capsys.readouterr().err
+    (tmp_path / 'empty').mkdir()
+    assert main([str(tmp_path / 'empty')]) == 2
+    assert 'no run folders' in capsys.readouterr().err
+    write_run(tmp_path / 'runs', 'r', 'dense', 1, 2, 10.0, 0.5)
+    (tmp_path / 'bench.json').write_text(json.dumps([{'model': 'm', 'mode': 'dense'}]))
+    assert main([str(tmp_path / 'runs'), '--bench-json', str(tmp_path / 'bench.json')]) == 2
+    assert "lacks ['forward_ms', 'backward_ms']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match='must be a number or null'):
+        check_bench_rows([{'model': 'm', 'mode': 'x', 'forward_ms': '2', 'backward_ms': 1}])
+    with pytest.raises(ValueError, match='not a run folder'):
+        read_run(tmp_path / 'runs' / 'r', tmp_path)
+
+
+def test_val_metric_and_percent_scale(tmp_path):
+    root = tmp_path / 'runs'
+    for s in (1, 2):   # accuracies already in percent stay as they are
+        write_run(root, 'r', 'dense', s, 2, 10.0, 70.0 + s)
+        write_run(root, 'r', 'capskip', s, 2, 8.0, 70.5 + s, kept=0.5)
+    report = build_report(root, metric='val_acc')
+    eq = next(t for t in report.sections[('', 'r')] if t.name == 'equal_epochs').records[0]
+    assert eq['acc_diff_pp'] == pytest.approx(0.5)
+    assert 'Metric: final `val_acc`' in report_markdown(report)
+
+
+def test_report_on_a_real_capskip_train_folder(tmp_path):
+    from capskip.train import main as train_main
+    out = tmp_path / 'runs'
+    for arm in ('dense', 'capskip'):
+        for seed in (1, 2):
+            train_main(['--recipe', 'digits', '--arm', arm, '--seed', str(seed), '--epochs', '1', '--out', str(out), '--quiet'])
+    train_main(['--recipe', 'digits', '--arm', 'capskip', '--seed', '3', '--epochs', '2', '--out', str(out), '--quiet',
+                '--stop-after', '1'])
+    runs = load_runs(out)
+    assert sorted((r.arm, r.seed, r.epochs, r.complete) for r in runs) == [
+        ('capskip', 1, 1, True), ('capskip', 2, 1, True), ('capskip', 3, 2, False), ('dense', 1, 1, True), ('dense', 2, 1, True)]
+    assert main([str(out), '--out', str(tmp_path / 'rep')]) == 0
+    eq = read_csv(tmp_path / 'rep' / 'digits__equal_epochs.csv')
+    assert [(r['arm'], r['epochs'], r['n']) for r in eq] == [('capskip', '1', '2')]
+    finals = {(r.arm, r.seed): r.final for r in runs if r.complete}
+    ratios = [finals[('capskip', s)]['train_time_s'] / finals[('dense', s)]['train_time_s'] for s in (1, 2)]
+    assert float(eq[0]['time_ratio']) == pytest.approx(sps.gmean(ratios), rel=1e-9)
+    missing = read_csv(tmp_path / 'rep' / 'missing.csv')
+    assert any(m['where'] == 'digits/capskip/seed3/ep2' and m['problem'].startswith('partial: no final.json') for m in missing)
+    assert (tmp_path / 'rep' / 'digits__accuracy_time.png').exists()
