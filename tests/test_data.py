@@ -17,18 +17,20 @@ from capskip.data import (CIFAR100_MEAN, CIFAR100_STD, IMAGENET_MEAN, IMAGENET_S
 
 
 # ---------------------------------------------------------------- stratified_split
-@settings(max_examples=40, deadline=None)
-@given(counts=st.lists(st.integers(1, 30), min_size=1, max_size=8), frac=st.floats(0.0, 0.5), seed=st.integers(0, 9))
-def test_stratified_split_is_an_exact_proportional_partition(counts, frac, seed):
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 30), min_size=1, max_size=8), fracs=st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5)),
+       seed=st.integers(0, 9))
+def test_stratified_split_is_an_exact_proportional_partition(counts, fracs, seed):
     labels = torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
     labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
-    size = int(frac * len(labels))
-    part, rest = stratified_split(labels, [size], seed=seed)
-    assert len(part) == size and len(rest) == len(labels) - size
-    assert torch.equal(torch.cat([part, rest]).sort().values, torch.arange(len(labels)))
-    got = torch.bincount(labels[part], minlength=len(counts)).double()
-    ideal = torch.tensor(counts, dtype=torch.float64) * size / len(labels)
-    assert (got - ideal).abs().max() < 1.0 + 1e-9  # largest remainder: each class within one row of its share
+    sizes = [int(f * len(labels)) for f in fracs]
+    *parts, rest = stratified_split(labels, sizes, seed=seed)
+    assert [len(p) for p in parts] == sizes and len(rest) == len(labels) - sum(sizes)
+    assert torch.equal(torch.cat([*parts, rest]).sort().values, torch.arange(len(labels)))
+    ideal_share = torch.tensor(counts, dtype=torch.float64) / len(labels)
+    for part, size in zip(parts, sizes):
+        got = torch.bincount(labels[part], minlength=len(counts)).double()
+        assert (got - ideal_share * size).abs().max() < 1.0 + 1e-9  # each class within one row of its share
 
 
 def test_stratified_split_is_seeded():
