@@ -19,7 +19,7 @@ from .tables import (bench_table, composition_table, controls_table, equal_epoch
 # %% auto #0
 __all__ = ['Report', 'build_report', 'missing_table', 'report_markdown', 'write_report', 'build_parser', 'main']
 
-# %% ../nbs/07_report.ipynb #6da3299f
+# %% ../nbs/07_report.ipynb #c8b6b9ea
 @dataclass
 class Report:
     "Everything `capskip report` writes: tables per (variant, recipe) group, folder-wide tables, and the notes."
@@ -31,6 +31,7 @@ class Report:
     notes: Notes = field(default_factory=Notes)
     bench_rows: list | None = None
     metric: str = 'test_acc'
+    reference: str = 'dense'
 
 def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str = 'dense', primary: str = 'capskip',
                  baseline: str = 'infobatch', targets: list | None = None, tolerance: float = 0.1,
@@ -48,7 +49,7 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
         sections[group] = [t for t in built if t is not None]
     global_tables = [t for t in [kept_vs_budget_table(runs)] if t is not None]
     if bench_rows is not None: global_tables.append(bench_table(bench_rows))
-    return Report(Path(run_dir), runs, groups, sections, global_tables, notes, bench_rows, metric)
+    return Report(Path(run_dir), runs, groups, sections, global_tables, notes, bench_rows, metric, reference)
 
 # %% ../nbs/07_report.ipynb #3fdc4dbf
 def _atomic_write(path: Path, data: bytes) -> Path:
@@ -87,7 +88,7 @@ def _figures(report: Report, out: Path, reference: str) -> dict:
         if t.name == 'step_phases': saved['step_phases'] = _save_figure(figures.step_phase_figure(t.records), out / 'step_phases.png').name
     return saved
 
-# %% ../nbs/07_report.ipynb #5ab3fbd0
+# %% ../nbs/07_report.ipynb #8a827239
 def missing_table(notes: Notes) -> Table:
     "The 'Missing / partial runs' section as a table."
     t = Table('missing', 'Missing / partial runs', 'Runs or seeds that a table could not use, and why. Nothing is dropped silently.',
@@ -110,6 +111,8 @@ def report_markdown(report: Report, figure_files: dict | None = None) -> str:
              'not a claim of equivalence. Times are training-loop wall-clock: compare them only within one machine.', '']
     for group, tables in report.sections.items():
         lines += [f'## {"/".join(p for p in group if p)}', '']
+        if report.reference not in report.groups[group].arms():
+            lines += [f'No complete `{report.reference}` runs here: the comparisons with `{report.reference}` are not shown.', '']
         for t in tables: lines += [t.markdown()]
         for kind, title in (('accuracy_time', 'Accuracy against training time'), ('epochs', 'Rows back-propagated and distortion over epochs')):
             if (group, kind) in figure_files: lines += [f'![{title}]({figure_files[(group, kind)]})', '']
@@ -131,8 +134,9 @@ def write_report(report: Report, out: str | Path, figures: bool = True, referenc
     figure_files = _figures(report, out, reference) if figures else {}
     return _atomic_write(out / 'report.md', report_markdown(report, figure_files).encode())
 
-# %% ../nbs/07_report.ipynb #a9916349
+# %% ../nbs/07_report.ipynb #94d5e0ba
 def build_parser() -> argparse.ArgumentParser:
+    "The argument parser of `capskip report`."
     p = argparse.ArgumentParser(prog='capskip report', description='Paired-seed tables and figures from a results folder.')
     p.add_argument('run_dir', help='the --out folder of capskip train/sweep (holds <recipe>/<arm>/seed<S>/ep<E>/)')
     p.add_argument('--out', help='where to write report.md, CSVs and figures (default: RUN_DIR/report)')

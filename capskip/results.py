@@ -129,7 +129,7 @@ def run_budget(run: Run) -> float | None:
         if isinstance(b, (int, float)) and not isinstance(b, bool): return float(b)
     return None
 
-# %% ../nbs/07a_results.ipynb #9b07b0c7
+# %% ../nbs/07a_results.ipynb #b7145f35
 @dataclass
 class Notes:
     "The 'Missing / partial runs' list: (where, problem) lines, kept unique and in order."
@@ -158,7 +158,7 @@ def compare(kind: str, arm: dict, ref: dict, notes: Notes, context: str) -> Comp
         return None
     return (paired_difference if kind == 'difference' else paired_ratio)(arm, ref)
 
-# %% ../nbs/07a_results.ipynb #3e100477
+# %% ../nbs/07a_results.ipynb #5f0e24d3
 @dataclass
 class Table:
     "A report table: Markdown headers/rows and CSV records."
@@ -197,7 +197,7 @@ def _mean(values) -> float | None:
 def _fmt(v, spec: str = '.2f', empty: str = '–') -> str:
     return empty if v is None else format(v, spec)
 
-# %% ../nbs/07a_results.ipynb #658a4f8b
+# %% ../nbs/07a_results.ipynb #91348649
 @dataclass
 class ReportData:
     "The complete runs of one (variant, recipe) group, indexed for the table builders."
@@ -248,7 +248,7 @@ def index_runs(runs: list[Run], metric: str, notes: Notes) -> dict:
         out[group] = ReportData(group, cells, metric, accuracy_scale(rs, metric), notes)
     return out
 
-# %% ../nbs/07a_results.ipynb #f50a019e
+# %% ../nbs/07a_results.ipynb #678d12c6
 SYNTHETIC_ARMS = {   # arm: (accuracy offset, kept fraction at the end of training, fraction of rows pruned by an outer pruner)
     'dense': (0.0, 1.0, 0.0), 'capskip': (0.002, 0.45, 0.0), 'selective_backprop': (-0.004, 0.34, 0.0),
     'random_rescale': (-0.001, 1.0, 0.25), 'infobatch': (-0.001, 1.0, 0.3), 'infobatch_capskip': (-0.002, 0.5, 0.3),

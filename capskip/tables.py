@@ -69,13 +69,14 @@ def equal_epoch_table(data: ReportData, reference: str = 'dense') -> Table | Non
                                   **comparison_fields('time_ratio', time_c), **comparison_fields('acc_diff_pp', acc_c), 'rows_bwd_pct': bwd})
     return table if table.rows else None
 
-# %% ../nbs/07b_tables.ipynb #586f3e31
+# %% ../nbs/07b_tables.ipynb #7afddb2f
 def _match_tier(ref_runs: dict, arm_runs: dict, arm: str, e: int, e_ref: int) -> int:
     "0: the sweep marked these runs time-matched to (arm, e); 1: the recipe names e_ref; 2: no marker."
     flags = [r.config.get('time_matched') or (r.final or {}).get('time_matched') for r in ref_runs.values()]
     for flag in flags:
-        if isinstance(flag, dict) and flag.get('arm', arm) == arm and flag.get('epochs', e) == e: return 0
-        if flag and not isinstance(flag, dict): return 1
+        if isinstance(flag, dict) and flag.get('arm') == arm and flag.get('epochs') == e: return 0
+    for flag in flags:   # a marker that names no (arm, epochs) counts as the recipe's choice
+        if flag and not (isinstance(flag, dict) and ('arm' in flag or 'epochs' in flag)): return 1
     if any(r.config.get('time_matched_epochs') == e_ref for r in arm_runs.values()): return 1
     return 2
 

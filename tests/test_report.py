@@ -207,3 +207,26 @@ def test_report_on_a_real_capskip_train_folder(tmp_path):
     missing = read_csv(tmp_path / 'rep' / 'missing.csv')
     assert any(m['where'] == 'digits/capskip/seed3/ep2' and m['problem'].startswith('partial: no final.json') for m in missing)
     assert (tmp_path / 'rep' / 'digits__accuracy_time.png').exists()
+
+
+def test_time_matched_marker_for_another_arm_is_not_used(tmp_path):
+    root = tmp_path / 'runs'
+    for s in (1, 2):
+        write_run(root, 'r', 'selective_backprop', s, 8, 50.0 + s, 0.75, kept=0.4)
+        write_run(root, 'r', 'dense', s, 5, 51.0, 0.72)       # closest in time, unmarked
+        write_run(root, 'r', 'dense', s, 6, 65.0, 0.74, config_extra={'time_matched': {'arm': 'capskip', 'epochs': 8}})
+        write_run(root, 'r', 'dense', s, 3, 30.0, 0.60)       # further than the 10% tolerance
+    rec = next(t for t in build_report(root).sections[('', 'r')] if t.name == 'time_matched').records
+    assert [(r['arm'], r['reference_epochs'], r['matched_by']) for r in rec] == [('selective_backprop', 5, 'closest time')]
+    tables = {t.name for t in build_report(root, tolerance=0.001).sections[('', 'r')]}
+    assert 'time_matched' not in tables                       # 1.01 and 1.03 mismatches exceed a 0.1% tolerance
+
+
+def test_group_without_reference_says_so(tmp_path):
+    root = tmp_path / 'runs'
+    for s in (1, 2):
+        write_run(root, 'r', 'infobatch', s, 4, 10.0, 0.7)
+        write_run(root, 'r', 'infobatch_capskip', s, 4, 8.0, 0.7, kept=0.5)
+    report = build_report(root)
+    assert {t.name for t in report.sections[('', 'r')]} == {'runs', 'composition'}
+    assert 'No complete `dense` runs here' in report_markdown(report)
