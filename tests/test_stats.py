@@ -181,3 +181,17 @@ def test_dense_margin_outside_range_is_none_not_invented():
         dense_margin(72.0, 250.0, dense, outside='error')
     with pytest.raises(ValueError, match="outside must be"):
         envelope_at(dense, 150.0, outside='extrapolate')
+
+
+def test_numpy_scalars_are_accepted():
+    c = paired_ratio({1: np.float32(2.0), 2: np.int64(3)}, {1: np.float64(4.0), 2: 6})
+    assert c.estimate == pytest.approx(0.5)
+    assert paired_difference({1: np.float64(1.0), 2: np.int32(2)}, {1: 0.5, 2: 1.5}).estimate == pytest.approx(0.5)
+
+
+def test_tied_times_take_the_better_run():
+    pts = [(1.0, 5.0), (2.0, 8.0), (2.0, 6.0)]
+    assert envelope_at(pts, 2.0) == 8.0
+    assert envelope_at(pts, 1.5) == pytest.approx(6.5)
+    assert running_max_frontier(pts) == [(1.0, 5.0), (2.0, 8.0)]
+    assert time_to_accuracy(pts, 7.0) == pytest.approx(1 + 2 / 3)
