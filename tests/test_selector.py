@@ -390,3 +390,42 @@ def test_select_demo_prints_the_selection(capsys):
     dist = float(out.split('distortion ‖D‖/‖G‖')[1].split()[0])
     check = float(out.split('from materialised grads')[1].split()[0])
     assert dist <= 0.09 + 1e-6 and abs(dist - check) < 1e-4
+
+
+# ---------------------------------------------------------------- the checks themselves can fail
+def test_disagreement_check_rejects_a_real_mismatch():
+    "Shifting m by one row away from any boundary must be caught by the oracle comparison used above."
+    R, H, correct = _batch(seed=11)
+    sel = select(R, H, correct, 0.3)
+    assert disagreement(sel, R, H, correct, 0.3) == 'equal' and 0 < int(sel.m) < int(sel.n_candidates)
+    wrong_m = sel.m + 1
+    wrong = sel._replace(m=wrong_m, drop=torch.zeros_like(sel.drop).scatter(0, sel.order, torch.arange(len(R)) < wrong_m))
+    with pytest.raises(AssertionError): disagreement(wrong, R, H, correct, 0.3)
+
+
+def test_tensor_budget_matches_float_budget():
+    R, H, correct = _batch(seed=12)
+    for b in (0.0, 0.09, 0.4):
+        assert torch.equal(select(R, H, correct, torch.tensor(b)).drop, select(R, H, correct, b).drop)
+    with pytest.raises(ValueError, match='budget must be a finite number'): select(R, H, correct, torch.tensor(-1.0))
+    with pytest.raises(ValueError, match='0-d tensor'): select(R, H, correct, torch.tensor([0.1]))
+
+
+DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_same_selection_on_every_device_without_sync(device):
+    "On CUDA the selector must not synchronise (sync debug mode 'error'); results match the CPU's."
+    R, H, correct = _batch(seed=13)
+    w = torch.rand(len(R), generator=torch.Generator().manual_seed(3))
+    cpu = select(R, H, correct, 0.09, w)
+    args = [t.to(device) for t in (R, H, correct)]
+    if device.startswith('cuda'):
+        select(*args, 0.09, w.to(device))                      # warm-up (lazy CUDA init may synchronise)
+        torch.cuda.set_sync_debug_mode('error')
+        try: sel = select(*args, 0.09, w.to(device))
+        finally: torch.cuda.set_sync_debug_mode(0)
+    else: sel = select(*args, 0.09, w.to(device))
+    assert all(t.device.type == torch.device(device).type for t in sel)
+    assert int(sel.m) == int(cpu.m) and torch.equal(sel.drop.cpu(), cpu.drop)
