@@ -45,7 +45,7 @@ class LossHistory:
     def load_state_dict(self, s: dict) -> None:
         self.size, self.count, self.ptr, self.buffer = s['size'], s['count'], s['ptr'], s['buffer']
 
-# %% ../nbs/02c_baselines.ipynb #8f6495f7
+# %% ../nbs/02c_baselines.ipynb #1af6ec60
 class SelectiveBackpropPolicy(BasePolicy):
     "Selective-Backprop on the engine: percentile^β keep probability, rows pooled to full batches, a dense priming epoch."
     name = 'selective_backprop'
@@ -89,7 +89,7 @@ class SelectiveBackpropPolicy(BasePolicy):
             x, y, w = torch.cat([cx, x]), torch.cat([cy, y.to(cy.device)]), torch.cat([cw, w])
             self._n_carry, self.carry = len(cy), None
         self.last_rows = (x, y)
-        stats = run_step(self.engine, x, y, w, self.decide, self.label_smoothing)
+        stats = run_step(self.engine, x, y, w, self.decide, self.label_smoothing, denominator=self.batch_size)
         left = (self._keep & ~self._take).nonzero().squeeze(1)          # a host read: carried rows' count
         if len(left): self.carry = (x.detach()[left.to(x.device)], y[left.to(y.device)], w[left.to(w.device)])
         if self.priming: stats.should_step = True

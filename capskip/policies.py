@@ -112,7 +112,7 @@ def batch_rows(rows: Tensor, batch_size: int, final_batch: str = 'keep', min_fin
             info['rows_dropped_tiny_batch'] = len(batches.pop())
     return batches, info
 
-# %% ../nbs/02_policies.ipynb #c3127db1
+# %% ../nbs/02_policies.ipynb #1a269c66
 @dataclass
 class Decision:
     "A rule's answer: applied weights a_i·w_i, the dropped prefix, and what the final layer effectively receives."
@@ -129,8 +129,8 @@ def realised_distortion(res: Tensor, feats: Tensor, weights: Tensor, received: T
 
 def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None,
              rule: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Decision] | None,
-             label_smoothing: float = 0.0, bias: bool | None = None) -> StepStats:
-    "Forward every row, apply `rule(logits, y, residuals, features, w)` (None: dense), back-propagate with denominator B."
+             label_smoothing: float = 0.0, bias: bool | None = None, denominator: int | None = None) -> StepStats:
+    "Forward every row, apply `rule(logits, y, residuals, features, w)` (None: dense), back-propagate with denominator B (the rows forwarded, unless given)."
     fwd = engine.forward(x)
     logits = fwd.logits.detach().float()
     B = logits.shape[0]
@@ -147,8 +147,9 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None,
         d = rule(logits, y, res, feats, w)
         received = d.applied if d.last_layer is None else d.last_layer
         distortion = realised_distortion(res, feats, w, received, bias)
-    kept = engine.loss_backward(fwd, y, row_weights=d.applied, denominator=B, label_smoothing=label_smoothing)
-    if d.lastfix is not None: lastfix_(engine.head, res, feats, d.lastfix, B)
+    den = B if denominator is None else denominator
+    kept = engine.loss_backward(fwd, y, row_weights=d.applied, denominator=den, label_smoothing=label_smoothing)
+    if d.lastfix is not None: lastfix_(engine.head, res, feats, d.lastfix, den)
     return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop)
 
 # %% ../nbs/02_policies.ipynb #5af97ad4

@@ -33,7 +33,7 @@ def rw_multipliers(drop: Tensor, p: float = RW_P, generator: torch.Generator | N
     survive = (u < p) & drop
     return torch.where(drop, survive.float() / p, torch.ones_like(u))
 
-# %% ../nbs/02a_reweight.ipynb #34f3719f
+# %% ../nbs/02a_reweight.ipynb #b424dc69
 def rwp_mean_prob(norms: Tensor, in_set: Tensor, taus: Tensor, p_min: float) -> Tensor:
     "Mean over `in_set` of `clamp(norms/τ, p_min, 1)` for every τ in `taus` ([T] -> [T])."
     p = (norms[None, :] / taus[:, None].clamp_min(torch.finfo(norms.dtype).tiny)).clamp(p_min, 1.0)
@@ -46,15 +46,17 @@ def rwp_tau(norms: Tensor, in_set: Tensor, p_bar: float = RWP_MEAN, p_min: float
     p_bar, p_min = check_probability('p_bar', p_bar), check_probability('p_min', p_min)
     if p_bar < p_min: raise ValueError(f'p_bar ({p_bar}) must be >= p_min ({p_min}): the mean keep probability cannot go below p_min')
     norms = norms.float()
-    lo = norms.new_zeros(())
-    hi = (torch.where(in_set, norms, torch.zeros_like(norms)).max() / p_min).clamp_min(torch.finfo(norms.dtype).tiny)
+    positive = in_set & (norms > 0)
+    smallest = torch.where(positive, norms, torch.full_like(norms, torch.inf)).min()
+    lo = torch.where(positive.any(), smallest, torch.ones_like(smallest)).log()       # at τ ≤ min norm every p = 1
+    hi = torch.maximum(torch.where(positive, norms, torch.zeros_like(norms)).max() / p_min, lo.exp()).log()  # all p = p_min
     grid = torch.linspace(0, 1, points, device=norms.device)
-    for _ in range(rounds):
-        taus = lo + (hi - lo) * grid
-        above = (rwp_mean_prob(norms, in_set, taus, p_min) >= p_bar).sum()   # a prefix of the grid (monotone)
+    for _ in range(rounds):                                   # geometric grid: norms span orders of magnitude
+        log_taus = lo + (hi - lo) * grid
+        above = (rwp_mean_prob(norms, in_set, log_taus.exp(), p_min) >= p_bar).sum()   # a prefix of the grid (monotone)
         k = (above - 1).clamp(0, points - 2)
-        lo, hi = taus[k], taus[k + 1]
-    return lo
+        lo, hi = log_taus[k], log_taus[k + 1]
+    return lo.exp()
 
 def rwp_probabilities(norms: Tensor, in_set: Tensor, tau: Tensor, p_min: float = RWP_MIN) -> Tensor:
     "Keep probabilities: `clamp(norm/τ, p_min, 1)` on `in_set`, 1 elsewhere."

@@ -1,0 +1,147 @@
+"CAPSkip drop-in class and policy interface: exact gradients per engine mode, step-by-step equality with a masked-loss loop, registry."
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import capskip
+from capskip.policies import CAPSkip, EpochPlan, Policy, StepStats, create_policy, list_policies
+from capskip.selector import residuals, select
+from test_policies_helpers import (BATCH, ENGINE_MODES, assert_really_reused, digits, grads, head_of, max_rel_err,
+                                   pretrained_mlp, reference_grads, tiny_mlp)
+
+CONTRACT_NAMES = ['dense', 'capskip', 'capskip_masked', 'capskip_rw', 'capskip_rwp', 'capskip_det_scale',
+                  'capskip_det_lastfix', 'infobatch', 'infobatch_capskip', 'infobatch_capskip_unweighted',
+                  'infobatch_capskip_exclude', 'ib_then_capskip', 'ib_plus_capskip_late', 'selective_backprop',
+                  'random_rescale']
+
+
+def reference_drop(model, x, y, budget, weights=None, label_smoothing=0.0):
+    "CAPSkip's mask computed independently: a plain forward, the selector on the head's input."
+    feats = {}
+    hook = head_of(model).register_forward_hook(lambda m, i, o: feats.__setitem__('h', i[0].detach()))
+    with torch.no_grad(): logits = model(x)
+    hook.remove()
+    return select(residuals(logits, y, label_smoothing), feats['h'], logits.argmax(1) == y, budget, weights=weights).drop
+
+
+@pytest.mark.parametrize('mode', ENGINE_MODES)
+@pytest.mark.parametrize('weighted_input', [False, True])
+def test_capskip_step_equals_masked_loss(mode, weighted_input):
+    X, Y, _, _ = digits()
+    model = pretrained_mlp()
+    x, y = X[:BATCH], Y[:BATCH]
+    w = torch.where(torch.arange(BATCH) % 3 == 0, 2.0, 1.0) if weighted_input else None
+    skip = CAPSkip(model, budget=0.2, mode=mode, label_smoothing=0.1)
+    s = skip.step(x, y, w)
+    drop = reference_drop(model, x, y, 0.2, w, 0.1)
+    assert torch.equal(s.drop, drop) and 0 < s.kept < BATCH
+    ref = reference_grads(model, x, y, (torch.ones(BATCH) if w is None else w) * (~drop).float(), 0.1)
+    assert max_rel_err(grads(model), ref) <= 1e-5
+    assert s.distortion.item() <= 0.2 * (1 + 1e-5)
+    if mode == 'reuse': assert_really_reused(model)
+    c = skip.counters()
+    assert c['rows_forwarded'] == BATCH and c['rows_backprop'] == s.kept and c['steps'] == 1
+    assert skip.counters()['rows_forwarded'] == 0          # read once, then reset
+
+
+@pytest.mark.parametrize('mode', ['reforward', 'reuse'])
+def test_capskip_masked_policy_equals_capskip(mode):
+    "capskip_masked gives CAPSkip's gradients, but its backward runs over every row (observed at the first layer)."
+    X, Y, _, _ = digits()
+    x, y, idx = X[:BATCH], Y[:BATCH], torch.arange(BATCH)
+    out = {}
+    for name, m in (('capskip_masked', 'reuse'), ('capskip', mode)):
+        model = pretrained_mlp()
+        rows = []
+        if name == 'capskip_masked' or m != 'reuse':   # rows reaching the first layer's output in the backward (a plain tensor hook)
+            def count_rows(mod, inputs, out, rows=rows):
+                if out.requires_grad: out.register_hook(lambda g: rows.append(g.shape[0]))
+            model[1].register_forward_hook(count_rows)
+        pol = create_policy(name, model, mode=m, budget=0.2)
+        s = pol.step(x, y, idx)
+        out[name] = (grads(model), s, rows)
+    (g_masked, s_masked, rows_masked), (g_cap, s_cap, rows_cap) = out['capskip_masked'], out['capskip']
+    assert max_rel_err(g_cap, g_masked) <= 1e-5 and s_cap.kept == s_masked.kept < BATCH
+    assert rows_masked == [BATCH]                              # full backward
+    if mode == 'reforward': assert rows_cap == [s_cap.kept]    # only the kept rows
+
+
+@pytest.mark.parametrize('mode', ENGINE_MODES)
+def test_capskip_end_to_end_matches_masked_loss_loop(mode):
+    "A few SGD steps with CAPSkip.step equal, step for step, a plain masked-loss loop with independently computed masks."
+    X, Y, _, _ = digits()
+    a, b = pretrained_mlp(), pretrained_mlp()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    skip = CAPSkip(a, budget=0.09, mode=mode)
+    for i in range(6):
+        x, y = X[BATCH * i:BATCH * (i + 1)], Y[BATCH * i:BATCH * (i + 1)]
+        s = skip.step(x, y)
+        opt_a.step(); opt_a.zero_grad()
+        drop = reference_drop(b, x, y, 0.09)
+        assert torch.equal(s.drop, drop), i
+        (F.cross_entropy(b(x), y, reduction='none') * (~drop).float()).sum().div(BATCH).backward()
+        opt_b.step(); opt_b.zero_grad()
+        assert max_rel_err(list(a.parameters()), list(b.parameters())) <= 1e-5, i
+    if mode == 'reuse': assert_really_reused(a)
+
+
+def test_zero_and_full_keep():
+    "k = 0 gives zero gradients; budget 0 is the dense gradient."
+    X, Y, _, _ = digits()
+    model = pretrained_mlp()
+    x, y = X[:BATCH], Y[:BATCH]
+    CAPSkip(model, budget=0.0, mode='masked').step(x, y)
+    assert max_rel_err(grads(model), reference_grads(model, x, y, torch.ones(BATCH))) <= 1e-5
+    model.zero_grad(set_to_none=True)
+    s = CAPSkip(model, budget=0.5, mode='masked').step(x, y, torch.zeros(BATCH))
+    assert s.kept == 0 and all(g.abs().max() == 0 for g in grads(model))
+
+
+def test_registry_and_errors():
+    assert list_policies() == CONTRACT_NAMES
+    model = tiny_mlp()
+    for name in CONTRACT_NAMES:
+        pol = create_policy(name, model, mode='masked', seed=3)
+        assert isinstance(pol, Policy) and pol.name == name
+        pol.close()
+    assert capskip.CAPSkip is CAPSkip and capskip.create_policy is create_policy
+    with pytest.raises(ValueError, match='unknown policy'): create_policy('capskp', model)
+    with pytest.raises(TypeError, match='unknown hyper-parameter'): create_policy('capskip', model, budgt=0.1)
+    with pytest.raises(ValueError, match='fixes reweight'): create_policy('capskip_rw', model, reweight='rwp')
+    with pytest.raises(ValueError, match='budget must be'): CAPSkip(model, budget=-0.1)
+    with pytest.raises(ValueError, match='reweight must be'): CAPSkip(model, reweight='rx')
+    with pytest.raises(ValueError, match='mode must be one of'): CAPSkip(model, mode='fast')
+    pol = create_policy('capskip', model, mode='masked')
+    with pytest.raises(ValueError, match='0 <= epoch < num_epochs'): pol.plan_epoch(5, 5, 100, 10)
+    with pytest.raises(ValueError, match='weights must be'): pol.step(torch.zeros(4, 64), torch.zeros(4, dtype=torch.long), None, torch.ones(3))
+    with pytest.raises(ValueError, match='rank < world_size'): create_policy('dense', model, rank=2, world_size=2)
+
+
+def test_dense_plan_seeded_and_sharded():
+    model = tiny_mlp()
+    plans = {s: create_policy('dense', model, seed=s).plan_epoch(0, 3, 1000, 64) for s in (0, 1)}
+    again = create_policy('dense', model, seed=0).plan_epoch(0, 3, 1000, 64)
+    assert all(torch.equal(a, b) for a, b in zip(plans[0].batches, again.batches))
+    assert not torch.equal(plans[0].batches[0], plans[1].batches[0])
+    assert sorted(torch.cat(plans[0].batches).tolist()) == list(range(1000))
+    assert [len(b) for b in plans[0].batches][-1] == 1000 % 64      # dense keeps its final batch
+    shards = [create_policy('dense', model, seed=0, rank=r, world_size=3).plan_epoch(0, 3, 1000, 64) for r in range(3)]
+    sizes = [sum(len(b) for b in p.batches) for p in shards]
+    assert len(set(sizes)) == 1 and set(torch.cat([torch.cat(p.batches) for p in shards]).tolist()) == set(range(1000))
+
+
+def test_state_dict_roundtrip_weights_only(tmp_path):
+    "Policy state goes through torch.save / torch.load(weights_only=True); rw draws continue identically."
+    X, Y, _, _ = digits()
+    x, y = X[:BATCH], Y[:BATCH]
+    a = create_policy('capskip_rw', pretrained_mlp(), mode='masked', budget=1.0, seed=5)
+    a.step(x, y, torch.arange(BATCH))
+    torch.save(a.state_dict(), tmp_path / 'p.pt')
+    b = create_policy('capskip_rw', pretrained_mlp(), mode='masked', budget=1.0, seed=5)
+    b.load_state_dict(torch.load(tmp_path / 'p.pt', weights_only=True))
+    sa, sb = a.step(x, y, torch.arange(BATCH)), b.step(x, y, torch.arange(BATCH))
+    assert torch.equal(sa.applied, sb.applied)
+    assert isinstance(sa, StepStats) and isinstance(a.plan_epoch(0, 1, 10, 4), EpochPlan)
