@@ -399,7 +399,7 @@ def _epoch_line(config: TrainConfig, row: dict) -> str:
             f"test {fmt(row['test_acc'], '.3f')} bwd {fmt(row['kept_fraction'], '.1%')} of rows "
             f"time {row['train_time_s']:.1f}s")
 
-# %% ../nbs/05_train.ipynb #b7be555d
+# %% ../nbs/05_train.ipynb #783bea54
 def build_parser() -> argparse.ArgumentParser:
     "The `capskip train` argument parser."
     p = argparse.ArgumentParser(prog='capskip train', description='Train one run: --recipe NAME --arm ARM --seed S (resumable).')
@@ -442,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     "`capskip train ...` (also `python -m capskip.train` and `torchrun ... -m capskip.train`)."
     parser = build_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try: config = config_from_args(ns)
+    try:
+        config = config_from_args(ns)
+        policy_kwargs(config)          # unknown arm or policy option: fail before any work
     except ValueError as e: parser.error(str(e))
     dist = None
     if ns.ddp or int(os.environ.get('WORLD_SIZE', '1')) > 1:

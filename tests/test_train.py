@@ -1,0 +1,191 @@
+"""The training runner: results-folder contract, exact resume (in-process stop and a real SIGKILL), reuse of
+finished runs, refusal of mismatched folders, schedule and lr scaling as recorded, clear errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from capskip.recipes import resolve_config
+from capskip.runio import load_checkpoint, read_json, read_jsonl, run_dir
+from capskip.schedules import lr_at, scaled_lr, step_progress
+from capskip.train import build_splits, main, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = ('train_time_s', 'epoch_time_s', 'eval_time_s', 'warmup_time_s')
+ROW_KEYS = {'epoch', 'train_time_s', 'lr', 'loss', 'train_acc', 'val_acc', 'test_acc', 'rows_forwarded',
+            'rows_backprop', 'kept_fraction', 'mean_distortion', 'rows_pruned'}
+FINAL_KEYS = {'recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
+              'kept_fraction', 'complete'}
+
+
+def small(arm='capskip', recipe='digits', epochs=3, seed=1, **over):
+    return resolve_config(recipe, dict({'batch_size': 256}, **over), arm=arm, seed=seed, epochs=epochs)
+
+
+def strip(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def model_state(out, cfg):
+    return load_checkpoint(run_dir(out, cfg.recipe, cfg.arm, cfg.seed, cfg.epochs) / 'checkpoint.pt')['model']
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    "An uninterrupted 3-epoch CAPSkip run (shared by several tests)."
+    out = tmp_path_factory.mktemp('ref')
+    cfg = small()
+    return out, cfg, train(cfg, out, progress='none')
+
+
+def test_results_folder_contract(reference):
+    out, cfg, final = reference
+    folder = run_dir(out, 'digits', 'capskip', 1, 3)
+    assert sorted(p.name for p in folder.iterdir()) == ['checkpoint.pt', 'config.json', 'final.json', 'results.jsonl']
+    rows = read_jsonl(folder / 'results.jsonl')
+    assert [r['epoch'] for r in rows] == [1, 2, 3] and all(ROW_KEYS <= set(r) for r in rows)
+    n_train = len(build_splits(cfg).train)
+    assert all(r['rows_forwarded'] == n_train and 0 < r['rows_backprop'] <= n_train for r in rows)
+    assert all(r['kept_fraction'] == pytest.approx(r['rows_backprop'] / r['rows_forwarded']) for r in rows)
+    times = [r['train_time_s'] for r in rows]
+    assert times == sorted(times) and times[0] > 0
+    assert all(0 <= r['val_acc'] <= 1 and 0 <= r['test_acc'] <= 1 and 0 <= r['train_acc'] <= 1 for r in rows)
+    assert FINAL_KEYS <= set(final) and final['complete'] is True
+    assert final['rows_backprop_frac'] == pytest.approx(sum(r['rows_backprop'] for r in rows) / (n_train * 3))
+    assert final['kept_fraction'] == pytest.approx(sum(r['kept_fraction'] for r in rows) / 3)
+    assert final['train_time_s'] == rows[-1]['train_time_s'] and final['test_acc'] == rows[-1]['test_acc']
+    config = read_json(folder / 'config.json')
+    assert config['arm'] == 'capskip' and config['seed'] == 1 and config['epochs'] == 3 and config['batch_size'] == 256
+    meta = config['meta']
+    assert meta['versions']['torch'] == torch.__version__.split('+')[0] or meta['versions']['torch']
+    assert meta['seed'] == 1 and meta['device'] == 'cpu' and 'start_time' in meta and 'git_commit' in meta
+
+
+@pytest.mark.parametrize('arm', ['capskip', 'dense'])
+def test_train_accuracy_matches_a_recount(arm, tmp_path):
+    "With lr 0 the model never changes, so the logged train accuracy must equal a recount of the initial model's."
+    from capskip.train import build_model, evaluate
+    cfg = small(arm, epochs=1, base_lr=0.0, warmup=False)
+    row = read_jsonl(Path(run_dir(tmp_path, 'digits', arm, 1, 1)) / 'results.jsonl') if train(cfg, tmp_path, progress='none') else None
+    splits = build_splits(cfg)
+    model = build_model(cfg, splits.num_classes, splits.in_chans)
+    assert row[0]['train_acc'] == pytest.approx(evaluate(model, splits.train, 512, torch.device('cpu')), abs=1e-12)
+
+
+def test_lr_follows_the_compressed_schedule(reference):
+    out, cfg, _ = reference
+    rows = read_jsonl(run_dir(out, 'digits', 'capskip', 1, 3) / 'results.jsonl')
+    n_steps = rows[0]['steps']
+    peak = scaled_lr(cfg.base_lr, cfg.batch_size, cfg.base_batch)
+    ckpt = load_checkpoint(run_dir(out, 'digits', 'capskip', 1, 3) / 'checkpoint.pt')
+    assert ckpt['scheduler']['peak_lr'] == pytest.approx(peak) == pytest.approx(0.2)
+    for r in rows:   # the lr logged is the one of the epoch's last step
+        assert r['lr'] == pytest.approx(lr_at(vars(cfg), peak, step_progress(r['epoch'] - 1, n_steps - 1, n_steps, 3)))
+
+
+def test_stop_and_resume_reaches_the_same_state(reference, tmp_path):
+    out, cfg, final = reference
+    partial = train(cfg, tmp_path, progress='none', stop_after=1)
+    assert partial['epoch'] == 1 and not (run_dir(tmp_path, 'digits', 'capskip', 1, 3) / 'final.json').exists()
+    with pytest.raises(ValueError, match='--resume'):
+        train(cfg, tmp_path, progress='none')
+    resumed = train(cfg, tmp_path, progress='none', resume=True)
+    a, b = model_state(out, cfg), model_state(tmp_path, cfg)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert strip(read_jsonl(run_dir(tmp_path, 'digits', 'capskip', 1, 3) / 'results.jsonl')) == \
+        strip(read_jsonl(run_dir(out, 'digits', 'capskip', 1, 3) / 'results.jsonl'))
+    assert {k: v for k, v in resumed.items() if k not in TIMING} == {k: v for k, v in final.items() if k not in TIMING}
+    assert len(read_json(run_dir(tmp_path, 'digits', 'capskip', 1, 3) / 'config.json')['meta']['resumed']) == 1
+
+
+@pytest.mark.parametrize('arm', ['infobatch_capskip', 'selective_backprop'])
+def test_resume_is_exact_for_stateful_policies(arm, tmp_path):
+    "InfoBatch keeps per-row scores, Selective-Backprop pools rows (and gradients) across batches and epochs."
+    cfg = small(arm, 'digits_ib', epochs=4, seed=2, batch_size=128)
+    train(cfg, tmp_path / 'a', progress='none')
+    train(cfg, tmp_path / 'b', progress='none', stop_after=2)
+    train(cfg, tmp_path / 'b', progress='none', resume=True)
+    a, b = model_state(tmp_path / 'a', cfg), model_state(tmp_path / 'b', cfg)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra = read_jsonl(run_dir(tmp_path / 'a', cfg.recipe, arm, 2, 4) / 'results.jsonl')
+    assert strip(ra) == strip(read_jsonl(run_dir(tmp_path / 'b', cfg.recipe, arm, 2, 4) / 'results.jsonl'))
+    if arm == 'infobatch_capskip':
+        assert any(r['rows_pruned'] > 0 for r in ra[:-1]) and ra[-1]['rows_pruned'] == 0   # full-data tail
+
+
+def test_killed_process_resumes_to_the_same_state(reference, tmp_path):
+    "SIGKILL a real `python -m capskip.train` after its first checkpoint, then --resume."
+    out, cfg, _ = reference
+    folder = run_dir(tmp_path, 'digits', 'capskip', 1, 3)
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'capskip.train', '--recipe', 'digits', '--arm', 'capskip', '--seed', '1',
+           '--epochs', '3', '--batch-size', '256', '--out', str(tmp_path), '--quiet']
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (folder / 'checkpoint.pt').exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None: proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (folder / 'checkpoint.pt').exists()
+    killed_at = load_checkpoint(folder / 'checkpoint.pt')['epoch']
+    assert main(cmd[3:] + ['--resume']) == 0
+    a, b = model_state(out, cfg), model_state(tmp_path, cfg)
+    assert all(torch.equal(a[k], b[k]) for k in a), f'killed after epoch {killed_at}'
+    assert not list(folder.glob('.*.tmp'))                       # no half-written files left behind
+
+
+def test_finished_runs_are_reused_and_mismatches_refused(reference):
+    out, cfg, final = reference
+    folder = run_dir(out, 'digits', 'capskip', 1, 3)
+    before = (folder / 'results.jsonl').stat().st_mtime_ns
+    again = train(cfg, out, progress='none')
+    assert again == final and (folder / 'results.jsonl').stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match='different configuration'):
+        train(small(weight_decay=0.0), out, progress='none')
+
+
+def test_dense_arm_backpropagates_everything_and_bf16_clipping_smoothing_run(tmp_path):
+    cfg = small('dense', epochs=1, amp='bf16', clip_norm=1.0, label_smoothing=0.1, schedule='warmup_cosine')
+    final = train(cfg, tmp_path, progress='none')
+    assert final['rows_backprop_frac'] == 1.0 and final['kept_fraction'] == 1.0
+    row = read_jsonl(run_dir(tmp_path, 'digits', 'dense', 1, 1) / 'results.jsonl')[0]
+    assert row['loss'] is not None and 0 < row['loss'] < 10
+
+
+def test_cli_flags_reach_the_saved_config(tmp_path, capsys):
+    assert main(['--recipe', 'digits', '--arm', 'capskip', '--seed', '4', '--epochs', '1', '--budget', '0.3',
+                 '--batch-size', '256', '--set', 'weight_decay=0', '--set', 'eval_every=2', '--out', str(tmp_path),
+                 '--quiet']) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary['arm'] == 'capskip' and summary['seed'] == 4
+    config = read_json(run_dir(tmp_path, 'digits', 'capskip', 4, 1) / 'config.json')
+    assert (config['policy_kw']['budget'], config['weight_decay'], config['eval_every']) == (0.3, 0.0, 2)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--arm', 'nope'], 'unknown arm'),
+    (['--set', 'policy_kw.budgte=0.1'], 'not an option of any policy'),
+    (['--set', 'epochs=1.5'], 'epochs must be int'),
+])
+def test_bad_cli_input_is_a_clear_error(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ['--out', str(tmp_path), '--quiet'])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / 'digits').exists()
+
+
+def test_cifar_recipe_without_root_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match='--data-root'):
+        train(resolve_config('resnet18gn_cifar100', {'data_root': None}, epochs=1), tmp_path, progress='none')
+
+
+def test_missing_cifar_root_names_the_path(tmp_path):
+    cfg = resolve_config('resnet18gn_cifar100', {'data_root': str(tmp_path / 'nowhere')}, epochs=1)
+    with pytest.raises((FileNotFoundError, ValueError), match='nowhere'):
+        train(cfg, tmp_path, progress='none')
