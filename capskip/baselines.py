@@ -45,10 +45,11 @@ class LossHistory:
     def load_state_dict(self, s: dict) -> None:
         self.size, self.count, self.ptr, self.buffer = s['size'], s['count'], s['ptr'], s['buffer']
 
-# %% ../nbs/02c_baselines.ipynb #1af6ec60
+# %% ../nbs/02c_baselines.ipynb #b93bc643
 class SelectiveBackpropPolicy(BasePolicy):
     "Selective-Backprop on the engine: percentile^β keep probability, rows pooled to full batches, a dense priming epoch."
     name = 'selective_backprop'
+    steps_every_batch = False
     def __init__(self, model: nn.Module, *, beta: float = 2.0, history: int = 1024, min_prob: float = 0.0,
                  prime_epochs: int = 1, **kw):
         super().__init__(model, **kw)

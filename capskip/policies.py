@@ -25,7 +25,7 @@ __all__ = ['FINAL_BATCH', 'POLICIES', 'StepStats', 'EpochPlan', 'Policy', 'Devic
            'check_capskip_options', 'device_generator', 'CAPSkip', 'record', 'BasePolicy', 'DensePolicy',
            'CAPSkipPolicy', 'list_policies', 'create_policy', 'policy_options']
 
-# %% ../nbs/02_policies.ipynb #0dafc18d
+# %% ../nbs/02_policies.ipynb #71f6479e
 @dataclass
 class StepStats:
     "What one `step` did; tensors stay on the device (reading them is a host sync)."
@@ -36,6 +36,7 @@ class StepStats:
     losses: Tensor            # [B] per-row cross-entropy, detached
     applied: Tensor           # [B] applied row weights a_i·w_i (0 = not back-propagated)
     drop: Tensor              # [B] bool, rows selected for dropping by the inner rule (before re-weighting)
+    correct: Tensor           # 0-d long, forwarded rows the model classified correctly
     should_step: bool = True  # take an optimizer step now (Selective-Backprop pools rows across steps)
 
 @dataclass
@@ -55,7 +56,7 @@ class Policy(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 
-# %% ../nbs/02_policies.ipynb #0428d1a1
+# %% ../nbs/02_policies.ipynb #f9d2cbce
 class DeviceCounters:
     "Epoch sums: tensors stay on the device, `read()` makes one host transfer and resets."
     def __init__(self): self.reset()
@@ -65,7 +66,7 @@ class DeviceCounters:
         self.sums[name] = (value.detach().float() + old) if isinstance(value, Tensor) else old + float(value)
     def read(self) -> dict[str, float]:
         names = [k for k, v in self.sums.items() if isinstance(v, Tensor)]
-        values = torch.stack([self.sums[k].reshape(()).cpu() for k in names]).tolist() if names else []
+        values = torch.stack([self.sums[k].reshape(()) for k in names]).tolist() if names else []   # one transfer
         out = {k: float(v) for k, v in self.sums.items() if not isinstance(v, Tensor)}
         out.update(zip(names, values))
         self.reset()
@@ -112,7 +113,7 @@ def batch_rows(rows: Tensor, batch_size: int, final_batch: str = 'keep', min_fin
             info['rows_dropped_tiny_batch'] = len(batches.pop())
     return batches, info
 
-# %% ../nbs/02_policies.ipynb #1a269c66
+# %% ../nbs/02_policies.ipynb #721a7b00
 @dataclass
 class Decision:
     "A rule's answer: applied weights a_i·w_i, the dropped prefix, and what the final layer effectively receives."
@@ -150,9 +151,9 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None,
     den = B if denominator is None else denominator
     kept = engine.loss_backward(fwd, y, row_weights=d.applied, denominator=den, label_smoothing=label_smoothing)
     if d.lastfix is not None: lastfix_(engine.head, res, feats, d.lastfix, den)
-    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop)
+    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, (logits.argmax(1) == y).sum())
 
-# %% ../nbs/02_policies.ipynb #5af97ad4
+# %% ../nbs/02_policies.ipynb #bc64f55d
 def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: Tensor, *, budget: float,
                      weighted: bool = True, exclude_upweighted: bool = False, reweight: str | None = None,
                      p: float = RW_P, p_bar: float = RWP_MEAN, p_min: float = RWP_MIN,
@@ -163,10 +164,12 @@ def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: T
     sel = select(res, feats, candidates, budget, weights=w if weighted else None, bias=bias)
     drop, kept_w = sel.drop, torch.where(sel.drop, torch.zeros_like(w), w)
     if reweight is None: return Decision(kept_w, drop)
-    if reweight == 'rw': return Decision(w * rw_multipliers(drop, p, generator), drop)
+    if reweight in ('rw', 'rwp') and generator is None:
+        raise ValueError(f'reweight={reweight!r} draws random keeps: pass a seeded torch.Generator on the batch\'s device')
+    if reweight == 'rw': return Decision(w * rw_multipliers(drop, p, generator=generator), drop)
     if reweight == 'rwp':
         norms = sel.row_norms * (w if weighted else 1.0)
-        return Decision(w * rwp_multipliers(norms, drop, p_bar, p_min, generator), drop)
+        return Decision(w * rwp_multipliers(norms, drop, p_bar, p_min, generator=generator), drop)
     if reweight == 'det_scale':
         norm = lambda ws: torch.cat([t.flatten() for t in last_layer_grad(res, feats, ws, bias) if t is not None]).norm()
         return Decision(kept_w * det_scale_factor(norm(w), norm(kept_w)), drop)
@@ -239,11 +242,12 @@ def record(counters: DeviceCounters, s: StepStats) -> None:
     counters.add('rows_forwarded', s.forwarded); counters.add('rows_backprop', s.kept); counters.add('steps', 1)
     counters.add('distortion_sum', s.distortion); counters.add('loss_sum', s.loss_sum)
 
-# %% ../nbs/02_policies.ipynb #02915bcc
+# %% ../nbs/02_policies.ipynb #d60ea4d7
 class BasePolicy:
     "Shared parts of every policy: engine, seeded dense plan, counters, checkpoint state."
     name = 'base'
     final_batch = 'keep'
+    steps_every_batch = True      # False for policies that pool rows across forwards (Selective-Backprop)
     def __init__(self, model: nn.Module, *, mode: str = 'reuse', head: nn.Module | None = None, label_smoothing: float = 0.0,
                  seed: int = 0, rank: int = 0, world_size: int = 1, final_batch: str | None = None,
                  min_final_batch: int | None = None, engine: Engine | None = None):

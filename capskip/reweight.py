@@ -25,15 +25,15 @@ def check_probability(name: str, value: float, low_open: bool = True) -> float:
         raise ValueError(f'{name} must lie in {"(0, 1]" if low_open else "[0, 1]"}, got {value}')
     return float(value)
 
-# %% ../nbs/02a_reweight.ipynb #e74ddf45
-def rw_multipliers(drop: Tensor, p: float = RW_P, generator: torch.Generator | None = None) -> Tensor:
+# %% ../nbs/02a_reweight.ipynb #c6845873
+def rw_multipliers(drop: Tensor, p: float = RW_P, *, generator: torch.Generator) -> Tensor:
     "Per-row multipliers: rows off `drop` get 1; rows in `drop` survive with probability `p` and get `1/p`."
     p = check_probability('p', p)
     u = torch.rand(drop.shape, generator=generator, device=drop.device)
     survive = (u < p) & drop
     return torch.where(drop, survive.float() / p, torch.ones_like(u))
 
-# %% ../nbs/02a_reweight.ipynb #b424dc69
+# %% ../nbs/02a_reweight.ipynb #a559ad0a
 def rwp_mean_prob(norms: Tensor, in_set: Tensor, taus: Tensor, p_min: float) -> Tensor:
     "Mean over `in_set` of `clamp(norms/τ, p_min, 1)` for every τ in `taus` ([T] -> [T])."
     p = (norms[None, :] / taus[:, None].clamp_min(torch.finfo(norms.dtype).tiny)).clamp(p_min, 1.0)
@@ -63,8 +63,8 @@ def rwp_probabilities(norms: Tensor, in_set: Tensor, tau: Tensor, p_min: float =
     p = (norms.float() / tau.clamp_min(torch.finfo(torch.float32).tiny)).clamp(p_min, 1.0)
     return torch.where(in_set, p, torch.ones_like(p))
 
-def rwp_multipliers(norms: Tensor, drop: Tensor, p_bar: float = RWP_MEAN, p_min: float = RWP_MIN,
-                    generator: torch.Generator | None = None) -> Tensor:
+def rwp_multipliers(norms: Tensor, drop: Tensor, p_bar: float = RWP_MEAN, p_min: float = RWP_MIN, *,
+                    generator: torch.Generator) -> Tensor:
     "Per-row multipliers: rows in `drop` survive with `p_i = clamp(norm_i/τ, p_min, 1)` and get `1/p_i`; others 1."
     p = rwp_probabilities(norms, drop, rwp_tau(norms, drop, p_bar, p_min), p_min)
     u = torch.rand(drop.shape, generator=generator, device=drop.device)

@@ -145,3 +145,18 @@ def test_state_dict_roundtrip_weights_only(tmp_path):
     sa, sb = a.step(x, y, torch.arange(BATCH)), b.step(x, y, torch.arange(BATCH))
     assert torch.equal(sa.applied, sb.applied)
     assert isinstance(sa, StepStats) and isinstance(a.plan_epoch(0, 1, 10, 4), EpochPlan)
+
+
+@pytest.mark.parametrize('mode', ['masked', 'reuse'])
+def test_bf16_autocast(mode):
+    "Under bf16 autocast the selector runs in fp32 on the same forward's outputs; gradients match a masked-loss autocast step."
+    X, Y, _, _ = digits()
+    model = pretrained_mlp()
+    x, y = X[:BATCH], Y[:BATCH]
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        s = CAPSkip(model, budget=0.2, mode=mode).step(x, y)
+        ref = reference_grads(model, x, y, (~s.drop).float())
+    assert 0 < s.kept < BATCH and s.distortion.dtype == torch.float32 and s.distortion.item() <= 0.2 * (1 + 1e-3)
+    assert max_rel_err(grads(model), ref) <= 2e-2
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        assert s.correct.item() == (model(x).argmax(1) == y).sum().item()

@@ -85,7 +85,7 @@ def test_rwp_tau_against_float64_bisection():
         best = f(lo)
         assert achieved >= p_bar - 1e-6 and achieved - best < 1e-4
     with pytest.raises(ValueError, match='p_min'): rwp_tau(norms, in_set, 0.05, 0.1)
-    with pytest.raises(ValueError, match=r'p must lie in \(0, 1\]'): rw_multipliers(in_set, 1.5)
+    with pytest.raises(ValueError, match=r'p must lie in \(0, 1\]'): rw_multipliers(in_set, 1.5, generator=torch.Generator())
 
 
 def test_det_scale_restores_last_layer_norm():
