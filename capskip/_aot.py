@@ -49,7 +49,7 @@ def check_private_apis() -> None:
         raise RuntimeError(f'torch {torch.__version__} lacks private APIs capskip reuse needs: {missing}. '
                            'Use mode="reforward" or "masked", or a torch in the tested range.')
 
-# %% ../nbs/01b_aot.ipynb #cc1e9daf
+# %% ../nbs/01b_aot.ipynb #870b30b2
 def _entry(model, box, x):
     box.value = None
     logits = model(x)
@@ -70,7 +70,7 @@ class Traced:
     n_user: int                        # forward outputs before the saved values (logits, features)
     bw_inputs: list                    # per backward input: ('saved', layout) | ('sym', expr) | ('index',) | ('tangent', out_pos)
     grad_names: list                   # per backward output: parameter name or None
-    guards: list                       # sympy relations on the batch symbol that the trace assumed
+    guards: list                       # relations on the batch symbol enforced at run time (see below)
     fallback_reason: str | None = None # set when slicing is impossible: backward runs at full B with masked tangents
 
 # %% ../nbs/01b_aot.ipynb #e82db499
@@ -182,7 +182,7 @@ def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
     g.lint()
     bw.recompile()
 
-# %% ../nbs/01b_aot.ipynb #2f329944
+# %% ../nbs/01b_aot.ipynb #5ed2c0e0
 def trace(model: nn.Module, box: FeatureBox, x: torch.Tensor) -> Traced:
     "Capture `model` at `x`'s signature and prepare the graphs for reuse (see above)."
     check_private_apis()
@@ -228,12 +228,16 @@ def trace(model: nn.Module, box: FeatureBox, x: torch.Tensor) -> Traced:
         elif n.name.startswith('tangents'): bw_inputs.append(('tangent',))
         else: bw_inputs.append(('saved', n_user + tail[n.name], layouts[n.name]))
     shape_env = fw_ph[x_pos[0]].meta['val'].fake_mode.shape_env
-    guards = [gd.expr for gd in getattr(shape_env, 'guards', [])]
+    strided = sorted({str(n.target) for gm in (fw, bw) for n in gm.graph.nodes if n.target in _STRIDE_BAKED})
+    guards = [gd.expr for gd in getattr(shape_env, 'guards', [])] if strided else []
     reason = f'saved values the backward cannot slice: {unknown}' if unknown else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards, reason)
 
-# %% ../nbs/01b_aot.ipynb #4c30d4fd
+# %% ../nbs/01b_aot.ipynb #0f41e319
+_STRIDE_BAKED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                 torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default}
+
 def _guards_hold(traced: Traced, k: int) -> bool:
     "Whether every shape guard the trace assumed holds at batch size `k`."
     import sympy
@@ -267,7 +271,7 @@ def run_forward(traced: Traced, model: nn.Module, x: torch.Tensor) -> tuple[torc
         out = list(traced.fw(*_inputs(traced, model, x)))
     return out[0], out[1], out
 
-# %% ../nbs/01b_aot.ipynb #6c440aae
+# %% ../nbs/01b_aot.ipynb #c4540d04
 def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor, row: int = 0) -> None:
     "Raise `RowDependenceError` naming the op whose saved value mixes rows when row `row` of `x` is NaN."
     from capskip.probe import poisoned
@@ -295,7 +299,7 @@ def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor, row: int = 0
                       else f'a NaN in one input row reached other rows of a saved value laid out as {lay}')
             raise RowDependenceError(row_dependence_message(where, detail))
 
-# %% ../nbs/01b_aot.ipynb #b0a891de
+# %% ../nbs/01b_aot.ipynb #ebfb9825
 @dataclass
 class ReuseState:
     "What a reuse forward leaves for its backward: the graphs, the saved values, the batch size they were run at."
@@ -319,7 +323,7 @@ def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
         if p.grad is None: p.grad = g.detach().to(p.dtype)
         else: p.grad.add_(g.to(p.grad.dtype))
 
-# %% ../nbs/01b_aot.ipynb #926dc4d8
+# %% ../nbs/01b_aot.ipynb #e16f4439
 _TRACES: 'weakref.WeakKeyDictionary[nn.Module, dict]' = weakref.WeakKeyDictionary()   # model -> {signature: Traced | reason}
 
 class ReuseRunner:

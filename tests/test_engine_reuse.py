@@ -131,3 +131,18 @@ def test_private_torch_apis_are_as_expected():
     assert [s[0] for s in traced.bw_inputs].count('tangent') == 1
     assert 'index_select' in traced.bw.code and 'args_list.clear()' in traced.bw.code
     assert sum(n is not None for n in traced.grad_names) == len(list(model.parameters()))
+
+
+def test_kept_counts_across_the_conv_backend_threshold(caplog):
+    "Convolution's fake kernel guards on batch >= 16 (memory format only): k < 16 after B = 20 still skips rows, exactly."
+    from capskip.models import create_model
+    torch.manual_seed(0)
+    model = create_model('digits_cnn', num_classes=10)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 1, 16, 16, generator=g), torch.randint(0, 10, (20,), generator=g)
+    w = (torch.arange(20) % 3 == 0).float()
+    ref = autograd_reference(model, x, y, w)
+    with caplog.at_level('WARNING', logger='capskip.engine'):
+        kept, got = engine_grads(Engine(model, 'reuse'), x, y, w)
+    assert kept == 7 and max_rel_err(got, ref) <= 1e-5
+    assert not [r for r in caplog.records if 'over all' in r.getMessage()]
