@@ -81,7 +81,7 @@ class InfoBatchSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict) -> None:
         self.scores = state['scores'].float().clone(); self.set_epoch(int(state['epoch']))
 
-# %% ../nbs/02b_infobatch.ipynb #fe6998be
+# %% ../nbs/02b_infobatch.ipynb #3e098bbb
 SCHEDULES = ('throughout', 'ib_then_capskip', 'capskip_late')
 
 class InfoBatchPolicy(BasePolicy):
@@ -111,9 +111,11 @@ class InfoBatchPolicy(BasePolicy):
 
     def rule(self): return self.core.decide if self.inner_on else None
 
+    def check_step(self, idx: Tensor | None) -> None:
+        if idx is None: raise ValueError('InfoBatch stores per-row losses: call step(x, y, idx, weights) with the row indices')
+        if self.scores is None: raise RuntimeError('call plan_epoch(epoch, num_epochs, n_rows, batch_size) before step')
+
     def after_step(self, stats, idx: Tensor | None) -> None:
-        if idx is None: raise ValueError('InfoBatch needs the row indices: call step(x, y, idx, weights)')
-        if self.scores is None: raise RuntimeError('call plan_epoch before step')
         losses = stats.losses
         if self.scores.device != losses.device: self.scores = self.scores.to(losses.device)
         self.scores[idx.to(losses.device)] = losses

@@ -113,7 +113,7 @@ def batch_rows(rows: Tensor, batch_size: int, final_batch: str = 'keep', min_fin
             info['rows_dropped_tiny_batch'] = len(batches.pop())
     return batches, info
 
-# %% ../nbs/02_policies.ipynb #721a7b00
+# %% ../nbs/02_policies.ipynb #d8abc97d
 @dataclass
 class Decision:
     "A rule's answer: applied weights a_i·w_i, the dropped prefix, and what the final layer effectively receives."
@@ -132,13 +132,14 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None,
              rule: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Decision] | None,
              label_smoothing: float = 0.0, bias: bool | None = None, denominator: int | None = None) -> StepStats:
     "Forward every row, apply `rule(logits, y, residuals, features, w)` (None: dense), back-propagate with denominator B (the rows forwarded, unless given)."
+    B = x.shape[0] if isinstance(x, Tensor) and x.ndim else 0
+    if not isinstance(y, Tensor) or y.shape != (B,): raise ValueError(f'y must be a [B]={B} tensor of class labels, got {getattr(y, "shape", type(y))}')
+    if weights is not None and tuple(weights.shape) != (B,):
+        raise ValueError(f'weights must be [B]={B} (one per forwarded row), got shape {tuple(weights.shape)}')
     fwd = engine.forward(x)
     logits = fwd.logits.detach().float()
-    B = logits.shape[0]
-    if not isinstance(y, Tensor) or y.shape != (B,): raise ValueError(f'y must be a [B]={B} tensor of class labels, got {getattr(y, "shape", type(y))}')
     y = y.to(logits.device)
     w = torch.ones(B, device=logits.device) if weights is None else weights.detach().to(logits.device, torch.float32)
-    if w.shape != (B,): raise ValueError(f'weights must be [B]={B} (one per forwarded row), got shape {tuple(w.shape)}')
     losses = F.cross_entropy(logits, y, reduction='none', label_smoothing=label_smoothing)
     bias = engine.head.bias is not None if bias is None else bias
     if rule is None:
@@ -242,7 +243,7 @@ def record(counters: DeviceCounters, s: StepStats) -> None:
     counters.add('rows_forwarded', s.forwarded); counters.add('rows_backprop', s.kept); counters.add('steps', 1)
     counters.add('distortion_sum', s.distortion); counters.add('loss_sum', s.loss_sum)
 
-# %% ../nbs/02_policies.ipynb #d60ea4d7
+# %% ../nbs/02_policies.ipynb #b786c4cc
 class BasePolicy:
     "Shared parts of every policy: engine, seeded dense plan, counters, checkpoint state."
     name = 'base'
@@ -289,11 +290,14 @@ class BasePolicy:
 
     def step(self, x: Tensor, y: Tensor, idx: Tensor | None = None, weights: Tensor | None = None) -> StepStats:
         "Forward every row, apply this policy's rule, back-propagate with denominator = batch size."
+        self.check_step(idx)
         stats = run_step(self.engine, x, y, self.row_weights(idx, weights), self.rule(), self.label_smoothing)
         self.after_step(stats, idx)
         record(self.stats, stats)
         return stats
 
+    def check_step(self, idx: Tensor | None) -> None:
+        "Raise before any work if `step` lacks what this policy needs (e.g. row indices)."
     def after_step(self, stats: StepStats, idx: Tensor | None) -> None: pass
 
     def counters(self) -> dict[str, float]:

@@ -126,3 +126,13 @@ def test_exclude_variant_never_drops_upweighted_rows():
         w = torch.where(torch.arange(BATCH) % 2 == 0, 2.0, 1.0)
         s = skip.step(x, y, w)
         assert s.drop.any() and not s.drop[w > 1].any() and (s.applied[w > 1] == 2).all()
+
+
+def test_step_errors_before_any_work():
+    X, Y, _, _ = digits()
+    model = pretrained_mlp()
+    pol = create_policy('infobatch_capskip', model, mode='masked')
+    with pytest.raises(RuntimeError, match='call plan_epoch'): pol.step(X[:8], Y[:8], torch.arange(8))
+    pol.plan_epoch(0, 2, len(Y), 8)
+    with pytest.raises(ValueError, match='row indices'): pol.step(X[:8], Y[:8])
+    assert all(p.grad is None for p in model.parameters())       # nothing was back-propagated
