@@ -23,9 +23,11 @@ def per_row_grads(R, H, weights=None, bias=True):
     return w[:, None, None] * R[:, :, None] * Ht[:, None, :]
 
 
-def roundoff_tol(R, H, weights, bias, eps=1e-12):
-    "Generous fp32 round-off bound on squared prefix norms: (2B + C + d + 8)·16u·(Σ w‖g‖)² + 2ε."
-    scale = float(per_row_grads(R, H, weights, bias).flatten(1).norm(dim=1).sum()) ** 2
+def roundoff_tol(R, H, weights, bias, budget, rows, eps=1e-12):
+    """A generous fp32 round-off bound for comparing ‖D‖² of the prefix `rows` with b²‖G‖² + ε:
+    16u·(2B + C + d + 8)·(b²(Σ_all w‖g‖)² + (Σ_rows w‖g‖)²) + 2ε (the error of b²‖G‖² plus that of the prefix)."""
+    norms = per_row_grads(R, H, weights, bias).flatten(1).norm(dim=1)
+    scale = budget ** 2 * float(norms.sum()) ** 2 + float(norms[rows].sum()) ** 2
     return (2 * R.shape[0] + R.shape[1] + H.shape[1] + 8) * 16 * 2.0 ** -24 * scale + 2 * eps
 
 
@@ -44,8 +46,8 @@ def disagreement(sel, R, H, correct, budget, weights=None, bias=True, eps=1e-12)
     if m_sel == m_ref:
         assert torch.equal(sel.drop, ref.drop)
         return 'equal'
-    tol = roundoff_tol(R, H, weights, bias, eps)
-    near = lambda k: abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2) <= tol
+    near = lambda k: (abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2)
+                      <= roundoff_tol(R, H, weights, bias, budget, ref.order[:k], eps))
     disputed = [m_sel] if m_sel > m_ref else [k for k in range(m_sel + 1, m_ref + 1) if ref.prefix_norms[k] <= ref.threshold]
     assert disputed and all(near(k) for k in disputed), (m_sel, m_ref, disputed)
     return 'boundary'
@@ -111,7 +113,8 @@ def test_variants_match_reference(batch):
             k = max(int(sel.m), int(ref.m)) if rule == 'magnitude' else min(int(sel.m), int(ref.m)) + 1
             keys = per_row_grads(R, H, w, bias).flatten(1).norm(dim=1)[ref.order]
             value = float(keys[:k].sum()) if rule == 'magnitude' else float(ref.prefix_norms[k])
-            assert abs(value ** 2 - float(ref.threshold) ** 2) <= roundoff_tol(R, H, w, bias), (rule, int(sel.m), int(ref.m))
+            tol = roundoff_tol(R, H, w, bias, budget, ref.order[:k])
+            assert abs(value ** 2 - float(ref.threshold) ** 2) <= tol, (rule, int(sel.m), int(ref.m))
 
 
 @SETTINGS
@@ -121,7 +124,7 @@ def test_p1_bound_and_angle_hold_for_the_returned_set(batch):
     sel = select(R, H, correct, budget, w, bias=bias)
     g = per_row_grads(R, H, w, bias)
     G, D = g.sum(0), g[sel.drop].sum(0)
-    slack_sq = roundoff_tol(R, H, w, bias)
+    slack_sq = roundoff_tol(R, H, w, bias, budget, sel.drop)
     assert float(D.norm()) ** 2 <= budget ** 2 * float(G.norm()) ** 2 + slack_sq
     b_eff_sq = budget ** 2 + slack_sq / max(float(G.norm()) ** 2, 1e-300)
     if b_eff_sq < 0.99 and float(G.norm()) > 0:      # the angle bound, with the round-off folded into the budget
@@ -140,7 +143,8 @@ def test_m_mag_le_m_fv_le_m_star(batch):
     assert dev[1] <= dev[2], dev                   # same prefixes, same threshold: exact on the device too
     if dev[0] > dev[1]:                            # only when prefix m_fv + 1 sits on the budget to round-off
         ref = select_reference(R, H, correct, budget, w, bias=bias, order=select(R, H, correct, budget, w, bias=bias).order)
-        assert abs(float(ref.prefix_norms[dev[1] + 1]) ** 2 - float(ref.threshold) ** 2) <= roundoff_tol(R, H, w, bias)
+        k = dev[1] + 1
+        assert abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2) <= roundoff_tol(R, H, w, bias, budget, ref.order[:k])
 
 
 # ---------------------------------------------------------------- the counterexamples, as families
