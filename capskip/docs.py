@@ -229,7 +229,7 @@ def clear_output(out: Path) -> None:
     for e in entries:
         shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
 
-# %% ../nbs/10_docs.ipynb #027e05c8
+# %% ../nbs/10_docs.ipynb #f3c610d0
 @dataclass
 class BuildReport:
     "What a build did."
@@ -357,7 +357,7 @@ def build_site(root: Path | None = None, out: Path | None = None, work: Path | N
     clear_output(out)
     shutil.copytree(work / 'html', out, dirs_exist_ok=True)
     (out / MARKER).write_text('built by `capskip docs`; everything here but _assets/ is regenerated\n')
-    for junk in ('.buildinfo', '.doctrees'):
+    for junk in ('.buildinfo', '.doctrees', '_sources'):  # build bookkeeping, and no notebook sources are copied
         p = out / junk
         if p.is_dir(): shutil.rmtree(p)
         elif p.exists(): p.unlink()
