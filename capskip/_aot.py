@@ -23,8 +23,8 @@ log = logging.getLogger('capskip.engine')
 TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch versions this module is written against
 
 # %% auto #0
-__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'saved_layout', 'rows_of', 'trace',
-           'run_forward', 'probe_traced', 'ReuseState', 'ReuseRunner']
+__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'saved_layout', 'rows_of',
+           'seeded_backward_ops', 'trace', 'run_forward', 'probe_traced', 'ReuseState', 'clear_traces', 'ReuseRunner']
 
 # %% ../nbs/01b_aot.ipynb #84f028aa
 def torch_version_ok(version: str = torch.__version__) -> bool:
@@ -182,7 +182,23 @@ def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
     g.lint()
     bw.recompile()
 
-# %% ../nbs/01b_aot.ipynb #5ed2c0e0
+# %% ../nbs/01b_aot.ipynb #eda476c8
+def seeded_backward_ops(bw: fx.GraphModule) -> list[str]:
+    "Ops in a backward graph that regenerate random masks from a saved seed (fused attention with dropout_p > 0)."
+    found = []
+    for n in bw.graph.nodes:
+        schema = getattr(n.target, '_schema', None)
+        if n.op != 'call_function' or schema is None: continue
+        names = [a.name for a in schema.arguments]
+        if not {'philox_seed', 'philox_offset', 'rng_state', 'seed'} & set(names): continue
+        if 'dropout_p' in names:
+            i = names.index('dropout_p')
+            p = n.args[i] if i < len(n.args) else n.kwargs.get('dropout_p', 0.0)
+            if isinstance(p, (int, float)) and p == 0: continue
+        found.append(str(n.target))
+    return sorted(set(found))
+
+# %% ../nbs/01b_aot.ipynb #40829c68
 def trace(model: nn.Module, box: FeatureBox, x: torch.Tensor) -> Traced:
     "Capture `model` at `x`'s signature and prepare the graphs for reuse (see above)."
     check_private_apis()
@@ -220,7 +236,12 @@ def trace(model: nn.Module, box: FeatureBox, x: torch.Tensor) -> Traced:
         if out is None: grad_names.append(None)
         elif src[0] == 'param': grad_names.append(src[1])
         else: raise RuntimeError(f'backward graph returns a gradient for a non-parameter input {src[0]}')
-    _rewrite_backward(bw, {} if unknown else layouts)
+    problems = {f'saved {k}': v for k, v in unknown.items()}
+    seeded = seeded_backward_ops(bw)
+    if seeded:
+        problems['random masks regenerated in the backward'] = (f'{seeded} draw dropout from a saved seed by position, so a '
+            'backward over fewer rows would draw other masks (set the attention dropout to 0 to skip rows)')
+    _rewrite_backward(bw, {} if problems else layouts)
     bw_inputs = []
     for n in _bw_placeholders(bw):
         if n.name == 'capskip_rows': bw_inputs.append(('rows',))
@@ -230,11 +251,11 @@ def trace(model: nn.Module, box: FeatureBox, x: torch.Tensor) -> Traced:
     shape_env = fw_ph[x_pos[0]].meta['val'].fake_mode.shape_env
     strided = sorted({str(n.target) for gm in (fw, bw) for n in gm.graph.nodes if n.target in _STRIDE_BAKED})
     guards = [gd.expr for gd in getattr(shape_env, 'guards', [])] if strided else []
-    reason = f'saved values the backward cannot slice: {unknown}' if unknown else None
+    reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards, reason)
 
-# %% ../nbs/01b_aot.ipynb #0f41e319
+# %% ../nbs/01b_aot.ipynb #f7ec2784
 _STRIDE_BAKED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
                  torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default}
 
@@ -271,7 +292,7 @@ def run_forward(traced: Traced, model: nn.Module, x: torch.Tensor) -> tuple[torc
         out = list(traced.fw(*_inputs(traced, model, x)))
     return out[0], out[1], out
 
-# %% ../nbs/01b_aot.ipynb #c4540d04
+# %% ../nbs/01b_aot.ipynb #6499e4aa
 def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor, row: int = 0) -> None:
     "Raise `RowDependenceError` naming the op whose saved value mixes rows when row `row` of `x` is NaN."
     from capskip.probe import poisoned
@@ -299,7 +320,7 @@ def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor, row: int = 0
                       else f'a NaN in one input row reached other rows of a saved value laid out as {lay}')
             raise RowDependenceError(row_dependence_message(where, detail))
 
-# %% ../nbs/01b_aot.ipynb #ebfb9825
+# %% ../nbs/01b_aot.ipynb #5f8011bf
 @dataclass
 class ReuseState:
     "What a reuse forward leaves for its backward: the graphs, the saved values, the batch size they were run at."
@@ -310,9 +331,9 @@ class ReuseState:
 def _signature(model: nn.Module, x: torch.Tensor) -> tuple:
     "What a traced graph is specific to (besides the batch size)."
     dev = x.device.type
-    return (tuple(x.shape[1:]), x.dtype, str(x.device), model.training,
+    return (tuple(x.shape[1:]), x.dtype, str(x.device), tuple(m.training for m in model.modules()),
             torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
-            tuple(p.requires_grad for p in model.parameters()))
+            tuple((id(p), p.requires_grad) for p in model.parameters()))
 
 def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
     "Add the backward graph's parameter gradients into `.grad`."
@@ -323,8 +344,12 @@ def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
         if p.grad is None: p.grad = g.detach().to(p.dtype)
         else: p.grad.add_(g.to(p.grad.dtype))
 
-# %% ../nbs/01b_aot.ipynb #e16f4439
+# %% ../nbs/01b_aot.ipynb #e2c38f94
 _TRACES: 'weakref.WeakKeyDictionary[nn.Module, dict]' = weakref.WeakKeyDictionary()   # model -> {signature: Traced | reason}
+
+def clear_traces(model: nn.Module) -> None:
+    "Forget `model`'s traced graphs (after changing hyper-parameters such as dropout rates, which the cache key does not see)."
+    _TRACES.pop(model, None)
 
 class ReuseRunner:
     "`reuse` execution for an `Engine`: traced graphs per input signature (shared by engines of one model), lazy slicing."

@@ -146,3 +146,42 @@ def test_kept_counts_across_the_conv_backend_threshold(caplog):
         kept, got = engine_grads(Engine(model, 'reuse'), x, y, w)
     assert kept == 7 and max_rel_err(got, ref) <= 1e-5
     assert not [r for r in caplog.records if 'over all' in r.getMessage()]
+
+
+def digits_batch(B: int, seed: int = 0):
+    from capskip.models import create_model
+    torch.manual_seed(0)
+    model = create_model('digits_cnn', num_classes=10)
+    g = torch.Generator().manual_seed(seed)
+    return model, torch.randn(B, 1, 16, 16, generator=g), torch.randint(0, 10, (B,), generator=g)
+
+
+def test_unsliceable_backward_runs_over_all_rows_exactly(monkeypatch, caplog):
+    "When slicing is impossible (here: a seed-regenerated mask, simulated) the backward runs at full B: exact, logged."
+    monkeypatch.setattr(_aot, 'seeded_backward_ops', lambda bw: ['aten.fake_attention_backward'])
+    model, x, y = digits_batch(10)
+    w = (torch.arange(10) < 4).float()
+    ref = autograd_reference(model, x, y, w)
+    with caplog.at_level('WARNING', logger='capskip.engine'):
+        kept, got = engine_grads(Engine(model, 'reuse'), x, y, w)
+    assert kept == 4 and max_rel_err(got, ref) <= 1e-5
+    assert any('cannot be sliced' in r.getMessage() for r in caplog.records)
+
+
+def test_enforced_guards_retrace_forward_and_widen_backward(monkeypatch, caplog):
+    "Where a graph bakes strides, guards are enforced: conv's `batch >= 16` guard then forces full-B backward / a retrace."
+    monkeypatch.setattr(_aot, '_STRIDE_BAKED', {torch.ops.aten.convolution.default})
+    model, x, y = digits_batch(20)
+    w = (torch.arange(20) % 3 == 0).float()
+    engine = Engine(model, 'reuse')
+    ref = autograd_reference(model, x, y, w)
+    with caplog.at_level('WARNING', logger='capskip.engine'):
+        kept, got = engine_grads(engine, x, y, w)
+    assert kept == 7 and max_rel_err(got, ref) <= 1e-5
+    assert any('shape guard fails at 7 kept rows' in r.getMessage() for r in caplog.records)
+    ref8 = autograd_reference(model, x[:8], y[:8], w[:8])
+    kept8, got8 = engine_grads(engine, x[:8], y[:8], w[:8])                 # breaks `s >= 16`: retraced
+    assert kept8 == 3 and max_rel_err(got8, ref8) <= 1e-5
+    assert len(_aot._TRACES[model][next(iter(_aot._TRACES[model]))]) == 2
+    _aot.clear_traces(model)
+    assert model not in _aot._TRACES
