@@ -12,7 +12,7 @@ from .policies import (BasePolicy, CAPSkip, EpochPlan, RW_P, RWP_MEAN, RWP_MIN, 
                               shard_rows)
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'check_ratio', 'infobatch_prune', 'epoch_rows', 'InfoBatchSampler', 'InfoBatchPolicy']
+__all__ = ['SCHEDULES', 'check_ratio', 'infobatch_prune', 'epoch_rows', 'InfoBatchSampler', 'InfoBatchDataset', 'InfoBatchPolicy']
 
 # %% ../nbs/02b_infobatch.ipynb #5325eb15
 def check_ratio(ratio: float) -> float:
@@ -81,7 +81,18 @@ class InfoBatchSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict) -> None:
         self.scores = state['scores'].float().clone(); self.set_epoch(int(state['epoch']))
 
-# %% ../nbs/02b_infobatch.ipynb #3e098bbb
+# %% ../nbs/02b_infobatch.ipynb #eb89a9cc
+class InfoBatchDataset(torch.utils.data.Dataset):
+    "Wrap a dataset so each row also yields its InfoBatch weight this epoch: `(*dataset[i], weight)`."
+    def __init__(self, dataset, sampler: InfoBatchSampler):
+        if len(dataset) != sampler.n_rows: raise ValueError(f'dataset has {len(dataset)} rows, the sampler {sampler.n_rows}')
+        self.dataset, self.sampler = dataset, sampler
+    def __len__(self) -> int: return len(self.dataset)
+    def __getitem__(self, i: int):
+        item = self.dataset[i]
+        return (*item, self.sampler.weights[i]) if isinstance(item, tuple) else (item, self.sampler.weights[i])
+
+# %% ../nbs/02b_infobatch.ipynb #6eb67628
 SCHEDULES = ('throughout', 'ib_then_capskip', 'capskip_late')
 
 class InfoBatchPolicy(BasePolicy):

@@ -136,3 +136,19 @@ def test_step_errors_before_any_work():
     pol.plan_epoch(0, 2, len(Y), 8)
     with pytest.raises(ValueError, match='row indices'): pol.step(X[:8], Y[:8])
     assert all(p.grad is None for p in model.parameters())       # nothing was back-propagated
+
+
+def test_dataset_wrapper_in_worker_processes_sees_each_epochs_weights():
+    "The weights live in shared memory and are updated in place: persistent DataLoader workers see every epoch's plan."
+    from capskip.infobatch import InfoBatchDataset
+    X, Y = torch.randn(200, 3), torch.randint(0, 2, (200,))
+    s = InfoBatchSampler(200, 16, 6, seed=4)
+    s.update(torch.arange(200), torch.linspace(0, 1, 200))
+    loader = DataLoader(InfoBatchDataset(TensorDataset(X, Y, torch.arange(200)), s), batch_sampler=s,
+                        num_workers=1, persistent_workers=True)
+    for epoch in (0, 1, 2):
+        s.set_epoch(epoch)
+        rows = [(idx, w) for _, _, idx, w in loader]
+        idx, w = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        assert torch.equal(w, s.weights[idx]) and (epoch == 0 or (w == 2).any())
+    with pytest.raises(ValueError, match='rows'): InfoBatchDataset(TensorDataset(X[:5]), s)

@@ -41,12 +41,13 @@ def max_z(mean, se, target):
     return out
 
 
+@pytest.mark.parametrize('mode', ['masked', 'reuse'])
 @pytest.mark.parametrize('reweight,kw', [('rw', {'p': 0.3}), ('rwp', {'p_bar': 0.3, 'p_min': 0.1})])
-def test_rw_rwp_unbiased_for_every_layer(reweight, kw):
+def test_rw_rwp_unbiased_for_every_layer(reweight, kw, mode):
     """E[gradient] = dense gradient for every parameter: each coordinate's Monte Carlo mean lies within 5 standard
     errors of the dense value (400 draws; a false alarm has probability < 1e-6 per coordinate), while the
     drop-only gradient lies far outside that band, so the test has the power to fail."""
-    mean, se, dense, drop_only, s = monte_carlo(reweight, **kw)
+    mean, se, dense, drop_only, s = monte_carlo(reweight, mode=mode, **kw)
     assert s.drop.sum() >= 20                              # a large dropped set: the re-weighting matters
     assert max_z(mean, se, dense) < 5.0
     assert max_z(mean, se, drop_only) > 20.0
