@@ -194,7 +194,7 @@ def device_generator(device: torch.device, seed: int, state: Tensor | None = Non
     if state is not None: g.set_state(state)
     return g
 
-# %% ../nbs/02_policies.ipynb #fdceccfa
+# %% ../nbs/02_policies.ipynb #844f337e
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `stats = skip.step(x, y)` leaves the selected gradient in `.grad`."
     def __init__(self, model: nn.Module, budget: float = 0.09, mode: str = 'reuse', head: nn.Module | None = None,
@@ -230,6 +230,10 @@ class CAPSkip:
     def counters(self) -> dict[str, float]:
         "This epoch's counters (one host read), then reset."
         return epoch_counters(self.stats.read())
+
+    def close(self) -> None:
+        "Detach the engine's hook from the model (when you stop using this object)."
+        self.engine.close()
 
     def state_dict(self) -> dict:
         g = self._generator
