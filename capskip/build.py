@@ -86,7 +86,7 @@ def build_policy(config: TrainConfig, model: torch.nn.Module, dist=None):
     return create_policy(config.arm, model, mode=config.mode, label_smoothing=config.label_smoothing,
                          seed=config.seed, **kw)
 
-# %% ../nbs/05g_build.ipynb #4900b65c
+# %% ../nbs/05g_build.ipynb #5e01794b
 def autocast_context(device: torch.device, amp: str):
     "bf16 autocast when `amp == 'bf16'`, else a no-op context."
     if amp == 'bf16': return torch.autocast(device.type, dtype=torch.bfloat16)

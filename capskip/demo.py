@@ -71,7 +71,7 @@ def demo_table(summaries: list[ArmSummary]) -> str:
                      f'{100 * s.test_acc:>10.2f} {s.rows_backprop_frac:>8.1%} {f(s.kept_fraction, ".3f"):>6}  {diff:<34} {ratio:<28}')
     return '\n'.join(lines)
 
-# %% ../nbs/05c_demo.ipynb #e8e150ee
+# %% ../nbs/05c_demo.ipynb #5efa87b0
 def plot_curves(curves: dict[str, dict[int, list[dict]]], path: str | Path, title: str = '') -> Path:
     "Write a PNG of test accuracy vs training time from `{arm: {seed: results rows}}`."
     from matplotlib.figure import Figure   # no pyplot: renders with Agg, leaves the global backend alone
@@ -90,7 +90,7 @@ def plot_curves(curves: dict[str, dict[int, list[dict]]], path: str | Path, titl
     fig.savefig(path)
     return path
 
-# %% ../nbs/05c_demo.ipynb #cd5a6cdf
+# %% ../nbs/05c_demo.ipynb #bf5e4055
 @dataclass
 class DemoResult:
     "What `demo` produced."
@@ -117,7 +117,7 @@ def demo(seeds: int = 3, epochs: int | None = None, out: str | Path = 'capskip_d
     plot = plot_curves(curves, out / f'demo_{recipe}_ep{epochs}.png', f'{recipe}: {", ".join(arms)}, {seeds} seed(s), {epochs} epochs')
     return DemoResult(summaries, demo_table(summaries), plot, out, time.perf_counter() - start)
 
-# %% ../nbs/05c_demo.ipynb #9047a0d1
+# %% ../nbs/05c_demo.ipynb #77d1366a
 def main(argv: list[str] | None = None) -> int:
     "`capskip demo [--seeds 3] [--epochs N] [--out DIR]`"
     p = argparse.ArgumentParser(prog='capskip demo', description='Dense vs CAPSkip on the embedded digits data: a table and a plot.')
@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f'training {", ".join(arms)} on {ns.recipe} for {ns.seeds} seed(s) -> {ns.out} ...', flush=True)
     res = demo(ns.seeds, ns.epochs, ns.out, arms, ns.recipe, overrides, progress='bar' if ns.progress else 'none')
     print(res.table)
-    print(f'\nrows bwd: rows back-propagated / (training rows x epochs); kept: rows back-propagated / rows forwarded.')
+    print('\nrows bwd: rows back-propagated / (training rows x epochs); kept: rows back-propagated / rows forwarded.')
+    print('train s: training-loop wall-clock (evaluation and one-off compilation excluded). On a CPU and a model this small,\n'
+          'fixed per-step costs (selector, gather) weigh more than the skipped backward work; `capskip bench step`\n'
+          'measures per-phase step times on the paper\'s models.')
     print(f'plot: {res.plot}\nruns: {res.out} (finished runs are reused on the next call); wall-clock {res.wall_s:.0f} s')
     return 0

@@ -77,7 +77,7 @@ class DistInfo:
     def close(self) -> None:
         if tdist.is_initialized(): tdist.destroy_process_group()
 
-# %% ../nbs/05f_distributed.ipynb #c6dfd5b5
+# %% ../nbs/05f_distributed.ipynb #00c7ff80
 def _walk(obj, fn, path=()):
     if isinstance(obj, dict): return {k: _walk(v, fn, path + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)): return type(obj)(_walk(v, fn, path + (i,)) for i, v in enumerate(obj))
@@ -115,7 +115,7 @@ def _broadcast_object(value, dist: DistInfo):
     tdist.broadcast_object_list(box, src=0)
     return box[0]
 
-# %% ../nbs/05f_distributed.ipynb #fb4c6afe
+# %% ../nbs/05f_distributed.ipynb #ac809119
 def init_distributed(device: str = 'auto', backend: str | None = None) -> DistInfo:
     "Join the process group described by the torchrun environment; one device per process."
     missing = [k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') if k not in os.environ]

@@ -130,7 +130,7 @@ def get_recipe(name: str) -> TrainConfig:
         raise ValueError(f'unknown recipe {name!r}{hint}; `capskip recipes` lists them: {", ".join(RECIPES)}')
     return TrainConfig(recipe=name, **copy.deepcopy(RECIPES[name]))
 
-# %% ../nbs/05a_recipes.ipynb #da1ac65d
+# %% ../nbs/05a_recipes.ipynb #4ed245d2
 def parse_value(text: str):
     "A command-line value: JSON if it parses (numbers, true/false/null, lists, dicts), else the string."
     try: return json.loads(text)
@@ -211,7 +211,7 @@ def resolve_config(recipe: str, overrides: dict | None = None, **fields_) -> Tra
     named = {k: v for k, v in fields_.items() if v is not None}
     return apply_overrides(apply_overrides(config, named), overrides or {})
 
-# %% ../nbs/05a_recipes.ipynb #d87e899e
+# %% ../nbs/05a_recipes.ipynb #e379c830
 def _arms() -> list[str]:
     try:
         from capskip.policies import list_policies

@@ -73,7 +73,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     "Read a JSON-lines file (blank lines ignored)."
     return [json.loads(l) for l in Path(path).read_text(encoding='utf-8').splitlines() if l.strip()]
 
-# %% ../nbs/05e_runio.ipynb #380617f6
+# %% ../nbs/05e_runio.ipynb #07cc3ec5
 def save_checkpoint(path: str | Path, state: dict) -> Path:
     "Save `state` (tensors and plain containers only) to `path` atomically."
     path = Path(path)
@@ -107,7 +107,7 @@ def set_generator_state(generator: torch.Generator, state: torch.Tensor) -> torc
     generator.set_state(state.to('cpu', torch.uint8))
     return generator
 
-# %% ../nbs/05e_runio.ipynb #628f0825
+# %% ../nbs/05e_runio.ipynb #bb66a913
 STREAMS = {'init': 0, 'global': 1, 'loader': 2}
 
 def epoch_seed(seed: int, epoch: int, stream: int | str = 0) -> int:
@@ -121,7 +121,7 @@ def epoch_generator(seed: int, epoch: int, stream: int | str = 0) -> torch.Gener
     "A CPU `torch.Generator` seeded with `epoch_seed(seed, epoch, stream)`."
     return torch.Generator().manual_seed(epoch_seed(seed, epoch, stream))
 
-# %% ../nbs/05e_runio.ipynb #5c1ea37e
+# %% ../nbs/05e_runio.ipynb #2b069bed
 def run_dir(out: str | Path, recipe: str, arm: str, seed: int, epochs: int) -> Path:
     "`OUT/<recipe>/<arm>/seed<S>/ep<E>`, the folder of one run."
     for name, value in (('recipe', recipe), ('arm', arm)):

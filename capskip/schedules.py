@@ -52,7 +52,7 @@ def constant_lr(progress: float, peak_lr: float) -> float:
     _check_progress(progress)
     return peak_lr
 
-# %% ../nbs/05d_schedules.ipynb #b709aefc
+# %% ../nbs/05d_schedules.ipynb #79b77309
 SCHEDULES = {'onecycle': onecycle_lr, 'warmup_cosine': warmup_cosine_lr, 'constant': constant_lr}
 
 def step_progress(epoch: int, step: int, steps_in_epoch: int, num_epochs: int) -> float:
@@ -73,7 +73,7 @@ def lr_at(config: dict, peak_lr: float, progress: float) -> float:
     if name == 'constant': return constant_lr(progress, peak_lr)
     raise ValueError(f'unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}')
 
-# %% ../nbs/05d_schedules.ipynb #998674fe
+# %% ../nbs/05d_schedules.ipynb #179945c0
 def make_sgd(params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.9,
              weight_decay: float = 0.0, nesterov: bool = False) -> torch.optim.SGD:
     "SGD with momentum and weight decay over `params`."

@@ -57,7 +57,7 @@ def measured_ratio(out: str | Path, recipe: str, arm: str, seed: int, epochs: in
         times.append(float(read_json(folder / 'final.json')['train_time_s']))
     return times[0] / times[1]
 
-# %% ../nbs/05b_sweep.ipynb #8f1fece3
+# %% ../nbs/05b_sweep.ipynb #e4c73700
 @dataclass
 class SweepResult:
     "What a sweep did: one record per run (`status` is 'done', 'reused', 'stopped' or 'failed')."
@@ -94,7 +94,7 @@ def _run_one(spec: RunSpec, out, overrides: dict, named: dict, progress: str, re
     result.records.append(record)
     return record['final'] if record['status'] in ('done', 'reused') else None
 
-# %% ../nbs/05b_sweep.ipynb #935c054d
+# %% ../nbs/05b_sweep.ipynb #b8d67919
 def sweep(recipe: str, arms: list[str], seeds: list[int], epochs: list[int] | None = None, out: str | Path = 'runs',
           time_matched_dense: bool = False, matched_arm: str | None = None, overrides: dict | None = None,
           named: dict | None = None, progress: str = 'lines', dry_run: bool = False) -> SweepResult:
@@ -133,7 +133,7 @@ def sweep(recipe: str, arms: list[str], seeds: list[int], epochs: list[int] | No
             _run_one(RunSpec(recipe, 'dense', seed, tm['dense_epochs'], tm), out, overrides, named, progress, result, log)
     return result
 
-# %% ../nbs/05b_sweep.ipynb #d18b6ffc
+# %% ../nbs/05b_sweep.ipynb #3bf2f6f7
 def main(argv: list[str] | None = None) -> int:
     "`capskip sweep --recipe NAME --arms a,b --seeds 1,2,3 [--epochs 100,140,200] [--time-matched-dense]`"
     p = argparse.ArgumentParser(prog='capskip sweep', description='Run a grid of arms x seeds x epoch budgets, skipping finished runs.')

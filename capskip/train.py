@@ -88,7 +88,7 @@ def _stat(stats, *names):
         if value is not None: return value
     return None
 
-# %% ../nbs/05_train.ipynb #e8a36179
+# %% ../nbs/05_train.ipynb #4c5939a5
 def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> dict:
     "Train one epoch (`state.epoch` is the 0-based index); returns the epoch's row without evaluation."
     from capskip.data import make_loader
@@ -154,7 +154,7 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
             'policy': {k: v for k, v in counters.items() if k not in ('rows_forwarded', 'rows_backprop', 'kept_fraction',
                                                                       'mean_distortion', 'rows_pruned', 'loss_sum')}}
 
-# %% ../nbs/05_train.ipynb #e6201aa4
+# %% ../nbs/05_train.ipynb #0d438c4c
 def warm_up(state: RunState) -> float:
     "Run the policy on the largest and smallest batch of the next epoch's plan without updating anything; returns seconds."
     from capskip.data import make_loader
@@ -176,7 +176,7 @@ def warm_up(state: RunState) -> float:
     policy.load_state_dict(saved)
     return elapsed
 
-# %% ../nbs/05_train.ipynb #eef21849
+# %% ../nbs/05_train.ipynb #b92f6fd0
 VOLATILE_FIELDS = ('data_root', 'download', 'num_workers', 'device', 'eval_batch_size', 'description', 'notes',
                    'seeds', 'epoch_budgets', 'time_matched_epochs')  # do not change what a run computes
 
@@ -214,7 +214,7 @@ def restore_checkpoint(state: RunState, ckpt: dict) -> RunState:
     state.rows = json.loads(ckpt['rows'])
     return state
 
-# %% ../nbs/05_train.ipynb #092a9473
+# %% ../nbs/05_train.ipynb #96ec6474
 def final_summary(state: RunState) -> dict:
     "`final.json` of a completed run (see the results-folder contract)."
     cfg, rows = state.config, state.rows
@@ -236,7 +236,7 @@ def final_summary(state: RunState) -> dict:
 def _log(progress: str, text: str, dist=None) -> None:
     if progress != 'none' and (dist is None or dist.rank == 0): tqdm.write(text)
 
-# %% ../nbs/05_train.ipynb #38938c68
+# %% ../nbs/05_train.ipynb #4e852a07
 def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, progress: str = 'bar',
           stop_after: int | None = None, dist=None) -> dict:
     """Run (or finish, or reuse) one run; returns its `final.json` content, or the last row when stopped early.
@@ -303,7 +303,7 @@ def _epoch_line(config: TrainConfig, row: dict) -> str:
             f"test {fmt(row['test_acc'], '.3f')} bwd {fmt(row['kept_fraction'], '.1%')} of rows "
             f"time {row['train_time_s']:.1f}s")
 
-# %% ../nbs/05_train.ipynb #c308f720
+# %% ../nbs/05_train.ipynb #b4f07796
 def build_parser() -> argparse.ArgumentParser:
     "The `capskip train` argument parser."
     p = argparse.ArgumentParser(prog='capskip train', description='Train one run: --recipe NAME --arm ARM --seed S (resumable).')
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 'test_acc', 'rows_backprop_frac', 'kept_fraction')}))
     return 0
 
-# %% ../nbs/05_train.ipynb #e7b8fc0c
+# %% ../nbs/05_train.ipynb #bed10d4d
 def _in_notebook() -> bool:
     try: get_ipython  # noqa: F821 -- defined only inside IPython/Jupyter
     except NameError: return False
