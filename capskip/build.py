@@ -17,7 +17,7 @@ from .runio import epoch_seed
 # %% auto #0
 __all__ = ['resolve_device', 'build_splits', 'build_model', 'policy_kwargs', 'build_policy', 'autocast_context', 'evaluate']
 
-# %% ../nbs/05g_build.ipynb #61fd1650
+# %% ../nbs/05g_build.ipynb #92c6672e
 def resolve_device(name: str = 'auto') -> torch.device:
     "`'auto'` -> CUDA when available, else CPU; otherwise the named device (checked)."
     if name == 'auto': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -45,6 +45,10 @@ def _accepts(fn, name: str) -> bool:
 def build_model(config: TrainConfig, num_classes: int, in_chans: int) -> torch.nn.Module:
     "The recipe's model with a `num_classes` head, initialised from the run seed."
     from capskip.models import MODELS, create_model
+    if config.requires_pretrained and not config.pretrained:
+        raise ValueError(f'recipe {config.recipe!r} fine-tunes pretrained weights: pass --pretrained PATH (a local '
+                         f'state-dict file for {config.model}, e.g. ImageNet-1k DeiT-S/16 weights), or '
+                         '--set requires_pretrained=false to train from random initialisation')
     kw = dict(config.model_kw)
     builder = MODELS.get(config.model)
     if builder is None or _accepts(builder, 'in_chans'): kw.setdefault('in_chans', in_chans)

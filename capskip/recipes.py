@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 __all__ = ['RECIPES', 'TrainConfig', 'list_recipes', 'get_recipe', 'parse_value', 'apply_overrides', 'parse_set',
            'validate_config', 'resolve_config', 'recipes_table', 'main']
 
-# %% ../nbs/05a_recipes.ipynb #83c61e30
+# %% ../nbs/05a_recipes.ipynb #19c0adbb
 @dataclass
 class TrainConfig:
     "Every field of a training run (defaults: the small digits recipe)."
@@ -36,6 +36,7 @@ class TrainConfig:
     model: str = 'digits_cnn'                 # capskip.models.create_model name
     model_kw: dict = field(default_factory=dict)
     pretrained: str | None = None             # local weights file (loaded safely by the model registry)
+    requires_pretrained: bool = False         # fine-tuning recipes refuse to start without `pretrained`
     # policy (the arm) and execution
     arm: str = 'dense'
     policy_kw: dict = field(default_factory=lambda: {'budget': 0.09})
@@ -75,7 +76,7 @@ class TrainConfig:
         "A deep copy as a plain dict (JSON-ready)."
         return copy.deepcopy(dataclasses.asdict(self))
 
-# %% ../nbs/05a_recipes.ipynb #44d01ec0
+# %% ../nbs/05a_recipes.ipynb #0d959dea
 _CIFAR = dict(data='cifar100', data_kw={'img_size': 32, 'augment': True}, data_root='data', num_workers=4,
               batch_size=128, eval_batch_size=1000)
 
@@ -96,7 +97,7 @@ RECIPES: dict[str, dict] = {
     'deit_s_cifar100_finetune': dict(
         _CIFAR, data_kw={'img_size': 224, 'augment': True}, batch_size=128, eval_batch_size=500,
         description='DeiT-S/16 fine-tuned on CIFAR-100 at 224 px (paper §4, Tables 2-3)',
-        model='deit_s', model_kw={'drop_path_rate': 0.1}, base_lr=0.03, base_batch=512, momentum=0.9,
+        model='deit_s', model_kw={'drop_path_rate': 0.1}, requires_pretrained=True, base_lr=0.03, base_batch=512, momentum=0.9,
         weight_decay=0.0, clip_norm=1.0, label_smoothing=0.0, schedule='warmup_cosine', warmup_frac=0.05,
         final_lr=0.0, amp='bf16', epochs=103, policy_kw={'budget': 0.09}, seeds=[17, 29, 43],
         epoch_budgets=[103], time_matched_epochs=59,

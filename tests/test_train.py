@@ -208,3 +208,19 @@ def test_cifar_recipe_on_real_format_files_resumes_exactly_with_augmentation(tmp
     train(cfg_workers, tmp_path / 'b', progress='none', resume=True)
     a, b = model_state(tmp_path / 'a', cfg), model_state(tmp_path / 'b', cfg)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pretrained_weights_reach_the_model_and_fine_tuning_refuses_without(tmp_path):
+    from capskip.models import create_model
+    from capskip.build import build_model
+    with pytest.raises(ValueError, match='--pretrained PATH'):
+        build_model(resolve_config('deit_s_cifar100_finetune'), 100, 3)
+    torch.manual_seed(123)
+    source = create_model('vit_tiny', num_classes=7)
+    torch.save(source.state_dict(), tmp_path / 'w.pt')
+    cfg = resolve_config('deit_s_cifar100_finetune', {'model': 'vit_tiny', 'data_kw.img_size': 32,
+                                                      'pretrained': str(tmp_path / 'w.pt'), 'model_kw': {}})
+    model = build_model(cfg, 100, 3)
+    own, src = model.state_dict(), source.state_dict()
+    assert all(torch.equal(own[k], src[k]) for k in own if not k.startswith('head.'))
+    assert own['head.weight'].shape == (100, 192)
