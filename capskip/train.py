@@ -88,7 +88,7 @@ def _stat(stats, *names):
         if value is not None: return value
     return None
 
-# %% ../nbs/05_train.ipynb #4c5939a5
+# %% ../nbs/05_train.ipynb #63f82cd5
 def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> dict:
     "Train one epoch (`state.epoch` is the 0-based index); returns the epoch's row without evaluation."
     from capskip.data import make_loader
@@ -133,11 +133,11 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
             steps += 1
         if bar.disable: continue
         bar.update(1)
-        if stats is not None and (i % refresh == 0 or i == len(batches) - 1):
+        if stats is not None and len(rows) and (i % refresh == 0 or i == len(batches) - 1):
             kept, loss = _stat(stats, 'kept'), _stat(stats, 'loss_sum')
             bar.set_postfix(loss=f'{_num(loss) / len(rows):.3f}' if loss is not None else '-',
                             acc=f'{counter.correct.item() / max(1, seen):.3f}',
-                            bwd=f'{_num(kept) / len(rows):.0%}' if kept is not None and len(rows) else '-')
+                            bwd=f'{_num(kept) / len(rows):.0%}' if kept is not None else '-')
     _sync(device); elapsed = time.perf_counter() - start
     bar.close(); counter.close()
     correct = counter.correct
