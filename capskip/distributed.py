@@ -115,7 +115,7 @@ def _broadcast_object(value, dist: DistInfo):
     tdist.broadcast_object_list(box, src=0)
     return box[0]
 
-# %% ../nbs/05f_distributed.ipynb #ac809119
+# %% ../nbs/05f_distributed.ipynb #67afbe33
 def init_distributed(device: str = 'auto', backend: str | None = None) -> DistInfo:
     "Join the process group described by the torchrun environment; one device per process."
     missing = [k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') if k not in os.environ]
@@ -124,6 +124,9 @@ def init_distributed(device: str = 'auto', backend: str | None = None) -> DistIn
                          '`torchrun --nproc_per_node N -m capskip.train ...`')
     rank, world, local = int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), int(os.environ.get('LOCAL_RANK', 0))
     use_cuda = torch.cuda.is_available() and device in ('auto', 'cuda') or device.startswith('cuda')
+    if use_cuda and local >= torch.cuda.device_count():
+        raise ValueError(f'process {rank} has LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s) are visible: '
+                         'use --nproc_per_node <= the GPU count, or --device cpu for gloo on CPUs')
     dev = torch.device('cuda', local) if use_cuda else torch.device('cpu')
     if use_cuda: torch.cuda.set_device(dev)
     if not tdist.is_initialized():

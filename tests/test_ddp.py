@@ -122,7 +122,7 @@ def test_torchrun_train_end_to_end(tmp_path):
     torchrun = shutil.which('torchrun') or str(Path(sys.executable).with_name('torchrun'))
     env = dict(os.environ, OMP_NUM_THREADS='1')
     cmd = [torchrun, '--nproc_per_node', '2', '--master_port', str(free_port()), '-m', 'capskip.train', '--ddp',
-           '--recipe', 'digits_ib', '--arm', 'infobatch_capskip', '--seed', '1', '--epochs', '2', '--batch-size', '64',
+           '--recipe', 'digits_ib', '--arm', 'infobatch_capskip', '--seed', '1', '--epochs', '2', '--batch-size', '64', '--device', 'cpu',
            '--out', str(tmp_path), '--quiet']
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
