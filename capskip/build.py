@@ -15,9 +15,10 @@ from .recipes import TrainConfig
 from .runio import epoch_seed
 
 # %% auto #0
-__all__ = ['resolve_device', 'build_splits', 'build_model', 'policy_kwargs', 'build_policy', 'autocast_context', 'evaluate']
+__all__ = ['resolve_device', 'build_splits', 'check_pretrained', 'build_model', 'policy_kwargs', 'build_policy',
+           'autocast_context', 'evaluate']
 
-# %% ../nbs/05g_build.ipynb #92c6672e
+# %% ../nbs/05g_build.ipynb #49899f39
 def resolve_device(name: str = 'auto') -> torch.device:
     "`'auto'` -> CUDA when available, else CPU; otherwise the named device (checked)."
     if name == 'auto': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -42,13 +43,17 @@ def _accepts(fn, name: str) -> bool:
     params = inspect.signature(fn).parameters
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-def build_model(config: TrainConfig, num_classes: int, in_chans: int) -> torch.nn.Module:
-    "The recipe's model with a `num_classes` head, initialised from the run seed."
-    from capskip.models import MODELS, create_model
+def check_pretrained(config: TrainConfig) -> None:
+    "Fine-tuning recipes refuse to start from random weights unless told to."
     if config.requires_pretrained and not config.pretrained:
         raise ValueError(f'recipe {config.recipe!r} fine-tunes pretrained weights: pass --pretrained PATH (a local '
                          f'state-dict file for {config.model}, e.g. ImageNet-1k DeiT-S/16 weights), or '
                          '--set requires_pretrained=false to train from random initialisation')
+
+def build_model(config: TrainConfig, num_classes: int, in_chans: int) -> torch.nn.Module:
+    "The recipe's model with a `num_classes` head, initialised from the run seed."
+    from capskip.models import MODELS, create_model
+    check_pretrained(config)
     kw = dict(config.model_kw)
     builder = MODELS.get(config.model)
     if builder is None or _accepts(builder, 'in_chans'): kw.setdefault('in_chans', in_chans)

@@ -224,3 +224,12 @@ def test_pretrained_weights_reach_the_model_and_fine_tuning_refuses_without(tmp_
     own, src = model.state_dict(), source.state_dict()
     assert all(torch.equal(own[k], src[k]) for k in own if not k.startswith('head.'))
     assert own['head.weight'].shape == (100, 192)
+
+
+def test_cli_reports_run_errors_without_a_traceback(tmp_path, capsys):
+    assert main(['--recipe', 'resnet18gn_cifar100', '--data-root', str(tmp_path / 'nowhere'), '--out', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert 'nowhere' in err and 'Traceback' not in err
+    with pytest.raises(SystemExit):
+        main(['--recipe', 'deit_s_cifar100_finetune', '--out', str(tmp_path)])
+    assert '--pretrained PATH' in capsys.readouterr().err
