@@ -185,3 +185,17 @@ def test_enforced_guards_retrace_forward_and_widen_backward(monkeypatch, caplog)
     assert len(_aot._TRACES[model][next(iter(_aot._TRACES[model]))]) == 2
     _aot.clear_traces(model)
     assert model not in _aot._TRACES
+
+
+def test_graph_level_probe_refuses_without_the_eager_probe():
+    "The traced-graph checks alone catch both row-dependent cases (the eager probe runs first in practice)."
+    from capskip.engine import RowDependenceError
+    from test_engine import SeqFirst, bn_cnn
+    torch.manual_seed(0)
+    seq, xs = SeqFirst(), torch.randn(4, 6, 16)
+    traced = _aot.trace(seq, Engine(seq, 'reuse')._box, xs)
+    with pytest.raises(RowDependenceError, match='self_attn'):
+        _aot.probe_traced(traced, seq, xs)
+    bn = bn_cnn()
+    with pytest.raises(RowDependenceError, match='buffer'):
+        _aot.trace(bn, Engine(bn, 'reuse')._box, torch.randn(4, 3, 8, 8))
