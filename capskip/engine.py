@@ -79,7 +79,7 @@ def _zero_missing_grads(params: list[nn.Parameter]) -> None:
     for p in params:
         if p.grad is None: p.grad = torch.zeros_like(p)
 
-# %% ../nbs/01_engine.ipynb #5312ddeb
+# %% ../nbs/01_engine.ipynb #ed698091
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`."
     def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None):
@@ -153,6 +153,9 @@ class Engine:
         kept = int(keep.sum())                           # the one host read per step
         grad_logits = grad_logits.to(fwd.logits.dtype)
         if fwd.mode in ('dense', 'masked'):
+            if not fwd.logits.requires_grad:
+                raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
+                                   'run engine.forward with gradients enabled')
             fwd.logits.backward(torch.where(keep[:, None], grad_logits, torch.zeros_like(grad_logits)))
             return kept
         if kept == 0:

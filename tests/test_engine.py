@@ -168,3 +168,13 @@ def test_row_confined_layouts():
 def test_probe_needs_float_input():
     with pytest.raises(ValueError, match='floating-point'):
         probe_modules(nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2)), torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_masked_forward_under_no_grad_is_a_clear_error():
+    model = tiny_cnn()
+    x, y = batch()
+    engine = Engine(model, 'masked')
+    with torch.no_grad():
+        fwd = engine.forward(x)
+    with pytest.raises(RuntimeError, match='without autograd'):
+        engine.loss_backward(fwd, y)
