@@ -199,3 +199,20 @@ def test_graph_level_probe_refuses_without_the_eager_probe():
     bn = bn_cnn()
     with pytest.raises(RowDependenceError, match='buffer'):
         _aot.trace(bn, Engine(bn, 'reuse')._box, torch.randn(4, 3, 8, 8))
+
+
+def test_eval_mode_batchnorm_buffers_and_a_shared_layer():
+    "Buffers (BatchNorm running statistics in eval mode) are graph inputs; a layer used twice gets both gradients."
+    from test_engine import bn_cnn
+    model = bn_cnn()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5); model[1].running_var.uniform_(0.5, 2.0)
+    model[1].eval()                                                   # fixed statistics: rows independent
+    shared = nn.Linear(5, 5)
+    full = nn.Sequential(model, shared, nn.Tanh(), shared, nn.Linear(5, 3))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+    w = (torch.arange(6) % 2 == 0).float()
+    ref = autograd_reference(full, x, y, w)
+    kept, got = engine_grads(Engine(full, 'reuse'), x, y, w)
+    assert kept == 3 and max_rel_err(got, ref) <= 1e-5
