@@ -123,7 +123,7 @@ def test_killed_process_resumes_to_the_same_state(reference, tmp_path):
     "SIGKILL a real `python -m capskip.train` after its first checkpoint, then --resume."
     out, cfg, _ = reference
     folder = run_dir(tmp_path, 'digits', 'capskip', 1, 3)
-    env = dict(os.environ, OMP_NUM_THREADS='1')
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # same reduction order as this process
     cmd = [sys.executable, '-m', 'capskip.train', '--recipe', 'digits', '--arm', 'capskip', '--seed', '1',
            '--epochs', '3', '--batch-size', '256', '--out', str(tmp_path), '--quiet']
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
