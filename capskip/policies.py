@@ -237,7 +237,7 @@ class CAPSkip:
 
     def state_dict(self) -> dict:
         g = self._generator
-        return {'generator': None if g is None else g.get_state(), 'seed': self.seed}
+        return {'generator': self._pending_state if g is None else g.get_state(), 'seed': self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self._generator, self._pending_state = int(state['seed']), None, state.get('generator')

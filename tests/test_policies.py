@@ -160,3 +160,21 @@ def test_bf16_autocast(mode):
     assert max_rel_err(grads(model), ref) <= 2e-2
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         assert s.correct.item() == (model(x).argmax(1) == y).sum().item()
+
+
+def test_capskip_state_dict_round_trips_before_the_next_step():
+    "A state taken between load_state_dict and the next step keeps the generator state (checkpoint of a checkpoint)."
+    import torch
+    from torch import nn
+    from capskip.policies import CAPSkip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    skip = CAPSkip(model, budget=0.5, mode='masked', reweight='rw', seed=3)
+    skip.step(x, y)
+    saved = skip.state_dict()
+    assert saved['generator'] is not None
+    other = CAPSkip(model, budget=0.5, mode='masked', reweight='rw', seed=0)
+    other.load_state_dict(saved)
+    again = other.state_dict()
+    assert again['seed'] == 3 and torch.equal(again['generator'], saved['generator'])
