@@ -18,12 +18,11 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['TIMING_ENV', 'MEMORY_ENV', 'PHASES', 'ideal_ratio', 'parse_keeps', 'RSSSampler', 'state_bytes', 'StepRunner',
-           'configs', 'time_configs', 'measure_cpu_memory', 'summarize', 'format_table', 'parse_args', 'main']
+__all__ = ['MEMORY_ENV', 'PHASES', 'ideal_ratio', 'parse_keeps', 'RSSSampler', 'state_bytes', 'StepRunner', 'configs',
+           'time_configs', 'measure_cpu_memory', 'summarize', 'format_table', 'parse_args', 'main']
 
 # %% ../nbs/08b_bench_step.ipynb #9d51edd8
-TIMING_ENV = {'MALLOC_TRIM_THRESHOLD_': str(64 << 30), 'MALLOC_TOP_PAD_': str(256 << 20),
-              'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_MMAP_MAX_': '0'}
+from .cli import TIMING_ALLOCATOR as TIMING_ENV   # the same tunables as train / sweep / demo
 MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': str(256 << 10), 'MALLOC_TRIM_THRESHOLD_': str(1 << 20), 'MALLOC_TOP_PAD_': '0'}
 PHASES = ('forward', 'selector', 'gather', 'backward', 'optimizer')
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['COMMANDS', 'BENCH_COMMANDS', 'resolve', 'bench_main', 'main', 'readme_from_notebook', 'find_repo_root', 'readme_main']
+__all__ = ['COMMANDS', 'BENCH_COMMANDS', 'TIMING_ALLOCATOR', 'TIMED_COMMANDS', 'resolve', 'bench_main', 'allocator_env', 'main',
+           'readme_from_notebook', 'find_repo_root', 'readme_main']
 
 # %% ../nbs/09_cli.ipynb #7cbb1c6f
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -60,9 +61,29 @@ def bench_main(argv: list[str] | None = None) -> int:
     return _dispatch(BENCH_COMMANDS, 'capskip bench', list(sys.argv[2:] if argv is None else argv),
                      'Benchmarks: each prints a table of ratios to a reference measured in the same run.')
 
-# %% ../nbs/09_cli.ipynb #5fee40a8
+# %% ../nbs/09_cli.ipynb #8c505cac
+import os
+
+TIMING_ALLOCATOR: dict[str, str] = {'MALLOC_TRIM_THRESHOLD_': str(64 << 30), 'MALLOC_TOP_PAD_': str(256 << 20),
+                                    'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_MMAP_MAX_': '0'}
+TIMED_COMMANDS = ('train', 'sweep', 'demo')
+
+def allocator_env(environ: dict, command: str | None, platform: str = sys.platform) -> dict | None:
+    "The environment to re-execute a timed command with, or None when it is already set (or not applicable)."
+    if command not in TIMED_COMMANDS or not platform.startswith('linux') or environ.get('CAPSKIP_NO_ALLOCATOR_ENV'):
+        return None
+    if all(environ.get(k) == v for k, v in TIMING_ALLOCATOR.items()): return None
+    return {**environ, **TIMING_ALLOCATOR}
+
+# %% ../nbs/09_cli.ipynb #2f87b346
 def main(argv: list[str] | None = None) -> int:
     "The `capskip` console entry point."
+    if argv is None:    # a real command line: timed commands re-execute once with the allocator set
+        env = allocator_env(dict(os.environ), sys.argv[1] if len(sys.argv) > 1 else None)
+        if env is not None:
+            sys.stdout.flush()
+            os.execve(sys.executable, [sys.executable, '-c', 'import sys; from capskip.cli import main; sys.exit(main())',
+                                       *sys.argv[1:]], env)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ('--version', '-V'):
         from capskip import __version__
@@ -71,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     return _dispatch(COMMANDS, 'capskip', argv,
                      'capskip: cancellation-aware prefix skipping for selective back-propagation.')
 
-# %% ../nbs/09_cli.ipynb #6f6d1b81
+# %% ../nbs/09_cli.ipynb #969b9e9d
 def _cell_text(cell: dict) -> str:
     src = cell['source']
     return ''.join(src) if isinstance(src, list) else src
@@ -96,7 +117,7 @@ def readme_from_notebook(nb_path: str | Path) -> str:
             if txt: blocks.append('```\n' + (''.join(txt) if isinstance(txt, list) else txt).rstrip('\n') + '\n```')
     return '\n\n'.join(b for b in blocks if b) + '\n'
 
-# %% ../nbs/09_cli.ipynb #ae8a9095
+# %% ../nbs/09_cli.ipynb #bb01d2f5
 def find_repo_root(start: Path | None = None) -> Path:
     "The nearest folder above `start` holding `settings.ini` (the repository root)."
     here = (start or Path.cwd()).resolve()

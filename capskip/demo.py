@@ -101,7 +101,7 @@ class DemoResult:
     wall_s: float
 
 def demo(seeds: int = 3, epochs: int | None = None, out: str | Path = 'capskip_demo', arms: tuple = ('dense', 'capskip'),
-         recipe: str = 'digits', overrides: dict | None = None, progress: str = 'none') -> DemoResult:
+         recipe: str = 'digits_wide', overrides: dict | None = None, progress: str = 'none') -> DemoResult:
     "Train `arms` for seeds 1..`seeds` on `recipe`, then summarise and plot; finished runs are reused."
     from capskip.recipes import get_recipe
     from capskip.sweep import sweep
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument('--seeds', type=int, default=3, help='number of seeds (1..N), default 3')
     p.add_argument('--epochs', type=int, help="epoch budget (default: the recipe's, 12)")
     p.add_argument('--out', default='capskip_demo', help='results folder (default ./capskip_demo); finished runs are reused')
-    p.add_argument('--recipe', default='digits', help='a digits* recipe (default digits)')
+    p.add_argument('--recipe', default='digits_wide', help='a digits* recipe (default digits_wide)')
     p.add_argument('--arms', default='dense,capskip', help='comma-separated arms; the first is the reference')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='override a config field')
     p.add_argument('--progress', action='store_true', help='show per-epoch progress bars')
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     res = demo(ns.seeds, ns.epochs, ns.out, arms, ns.recipe, overrides, progress='bar' if ns.progress else 'none')
     print(res.table)
     print('\nrows bwd: rows back-propagated / (training rows x epochs); kept: rows back-propagated / rows forwarded.')
-    print('train s: training-loop wall-clock (evaluation and one-off compilation excluded). On a CPU and a model this small,\n'
-          'fixed per-step costs (selector, gather) weigh more than the skipped backward work; `capskip bench step`\n'
-          'measures per-phase step times on the paper\'s models.')
+    print('train s: training-loop wall-clock (evaluation and one-off compilation excluded). The time ratio depends on how\n'
+          'much backward work a row costs next to fixed per-step costs (selector, gather); `capskip bench step`\n'
+          'measures the phases on the paper\'s models.')
     print(f'plot: {res.plot}\nruns: {res.out} (finished runs are reused on the next call); wall-clock {res.wall_s:.0f} s')
     return 0

@@ -8,7 +8,7 @@ from capskip.runio import read_json, run_dir
 
 
 def test_demo_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
-    argv = ['--seeds', '2', '--epochs', '1', '--out', str(tmp_path), '--set', 'batch_size=256']
+    argv = ['--seeds', '2', '--epochs', '1', '--recipe', 'digits', '--out', str(tmp_path), '--set', 'batch_size=256']
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = {l.split()[0]: l for l in out.splitlines() if l.split() and l.split()[0] in ('dense', 'capskip')}
@@ -22,7 +22,7 @@ def test_demo_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert f'{ratio:.3f}' in lines['capskip']
     # a second call reuses every finished run (the folders' results are unchanged)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.glob('digits/*/*/*/final.json')}
-    res = demo(seeds=2, epochs=1, out=tmp_path, overrides={'batch_size': 256})
+    res = demo(seeds=2, epochs=1, out=tmp_path, recipe='digits', overrides={'batch_size': 256})
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob('digits/*/*/*/final.json')} == before
     assert res.summaries[1].acc_diff.n == 2
 
