@@ -19,7 +19,8 @@ import torch.nn as nn
 
 # %% auto #0
 __all__ = ['MEMORY_ENV', 'PHASES', 'ideal_ratio', 'parse_keeps', 'RSSSampler', 'state_bytes', 'StepRunner', 'configs',
-           'time_configs', 'measure_cpu_memory', 'summarize', 'format_table', 'parse_args', 'main']
+           'time_configs', 'measure_cpu_memory', 'summarize', 'backward_floor', 'format_floor', 'format_table',
+           'parse_args', 'main']
 
 # %% ../nbs/08b_bench_step.ipynb #9d51edd8
 from .cli import TIMING_ALLOCATOR as TIMING_ENV   # the same tunables as train / sweep / demo
@@ -87,6 +88,7 @@ class StepRunner:
         "One step; returns seconds per phase."
         from capskip.engine import ce_grad_logits
         from capskip.selector import residuals, select
+        if mode == 'kept_only': return self._kept_only_step(k)
         engine, times = self.engines[mode], {}
         self._sync(); t0 = time.perf_counter()
         fwd = engine.forward(self.x)
@@ -106,10 +108,28 @@ class StepRunner:
         self._sync(); t5 = time.perf_counter()
         return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
 
+    def _kept_only_step(self, k: float) -> dict:
+        "The reference: plain autograd forward + backward of only the kept rows (loss still normalised by B)."
+        from capskip.engine import ce_grad_logits
+        engine, B = self.engines['dense'], self.x.shape[0]
+        keep = self.keep_mask(k)
+        self._sync(); t0 = time.perf_counter()
+        fwd = engine.forward(self.x[keep])
+        self._sync(); t1 = time.perf_counter()
+        y = self.y[keep]
+        grad = ce_grad_logits(fwd.logits, y, denominator=B)
+        self._sync(); t2 = time.perf_counter()
+        engine.backward(fwd, grad, torch.ones_like(y, dtype=torch.bool))
+        del fwd
+        self._sync(); t3 = time.perf_counter()
+        self.opt.step(); self.opt.zero_grad(set_to_none=True)
+        self._sync(); t4 = time.perf_counter()
+        return dict(zip(PHASES, (t1 - t0, 0.0, t2 - t1, t3 - t2, t4 - t3)))
+
 # %% ../nbs/08b_bench_step.ipynb #c594c669
 def configs(keeps: list[float]) -> list[tuple[str, float]]:
-    "dense once, then masked / reforward / reuse at each kept fraction."
-    return [('dense', 1.0)] + [(m, k) for k in keeps for m in ('masked', 'reforward', 'reuse')]
+    "dense once, then masked / reforward / reuse and the kept_only reference at each kept fraction."
+    return [('dense', 1.0)] + [(m, k) for k in keeps for m in ('masked', 'reforward', 'reuse', 'kept_only')]
 
 def time_configs(runner: StepRunner, keeps: list[float], repeats: int, warmup: int, seed: int = 0,
                  progress: bool = True) -> dict:
@@ -150,7 +170,7 @@ def summarize(times: dict, peaks: dict | None) -> list[dict]:
     for (mode, k), reps in times.items():
         ratios = [sum(r.values()) / sum(d.values()) for r, d in zip(reps, dense)]
         ratio = statistics.median(ratios)
-        ideal = 1.0 if mode == 'dense' else ideal_ratio(k)
+        ideal = 1.0 if mode == 'dense' else k if mode == 'kept_only' else ideal_ratio(k)
         row = {'mode': mode, 'k': k, 'ratio': ratio, 'ideal': ideal, 'overhead': ratio - ideal,
                'step_ms': 1e3 * statistics.median(sum(r.values()) for r in reps),
                **{ph: 1e3 * statistics.median(r[ph] for r in reps) for ph in PHASES}}
@@ -158,6 +178,19 @@ def summarize(times: dict, peaks: dict | None) -> list[dict]:
         row['peak_mib'] = (peaks[(mode, k)] / 2**20) if peaks else float('nan')
         rows.append(row)
     return rows
+
+def backward_floor(rows: list[dict]) -> list[dict]:
+    "Per k: eager backward over the kept rows / dense backward (the floor), and reuse's backward / that floor."
+    by = {(r['mode'], r['k']): r for r in rows}
+    dense = by[('dense', 1.0)]['backward']
+    return [{'k': k, 'floor_share': by[('kept_only', k)]['backward'] / dense,
+             'reuse_over_floor': by[('reuse', k)]['backward'] / by[('kept_only', k)]['backward']}
+            for (mode, k) in by if mode == 'kept_only' and ('reuse', k) in by]
+
+def format_floor(rows: list[dict]) -> str:
+    "The backward-floor lines printed under the table."
+    return '\n'.join(f'k={r["k"]:.2f}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
+                     f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that' for r in rows)
 
 def format_table(rows: list[dict]) -> str:
     "The per-phase table."
@@ -244,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         how = 'resident-set sampling (1 ms), allocations > 256 KiB via mmap'
     rows = summarize(times, peaks)
     print(format_table(rows))
+    print(format_floor(backward_floor(rows)))
     print(f'times: ms, medians of {ns.repeats} interleaved repetitions; ratio: median per-repetition step time / dense; '
-          f'ideal (1+2k)/3; overhead = ratio - ideal; peak_mem: peak / dense peak ({how}).')
+          f'ideal (1+2k)/3 (kept_only, a reference that forwards and back-propagates only the kept rows: k); '
+          f'overhead = ratio - ideal; peak_mem: peak / dense peak ({how}).')
     print('timing allocator: ' + ' '.join(f'{k}={v}' for k, v in TIMING_ENV.items()))
     if ns.json:
         tmp = ns.json + '.tmp'

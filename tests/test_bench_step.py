@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from capskip.bench_step import PHASES, main, parse_keeps
+from capskip.bench_step import PHASES, backward_floor, main, parse_keeps
 
 
 def test_bench_step_table_structure(tmp_path, capsys):
@@ -16,13 +16,16 @@ def test_bench_step_table_structure(tmp_path, capsys):
     columns = lines[head].split()
     assert columns[:8] == ['mode', 'k', 'ratio', 'ideal', 'overhead', 'peak_mem', 'peak_MiB', 'step_ms']
     assert columns[8:] == list(PHASES)
-    body = [l.split() for l in lines[head + 1:head + 5]]
-    assert [(r[0], r[1]) for r in body] == [('dense', '1.00'), ('masked', '0.50'), ('reforward', '0.50'), ('reuse', '0.50')]
+    body = [l.split() for l in lines[head + 1:head + 6]]
+    assert [(r[0], r[1]) for r in body] == [('dense', '1.00'), ('masked', '0.50'), ('reforward', '0.50'), ('reuse', '0.50'),
+                                            ('kept_only', '0.50')]
     assert all(len(r) == len(columns) for r in body)
     assert body[0][2] == '1.000' and body[0][5] == '1.000'        # dense is the reference of ratio and memory
     assert float(body[3][3]) == pytest.approx((1 + 2 * 0.5) / 3, abs=1e-3)
+    assert float(body[4][3]) == pytest.approx(0.5, abs=1e-3)    # the reference forwards only the kept rows
+    assert any(l.startswith('k=0.50: eager backward over the kept rows') for l in lines)
     rows = json.loads(out_json.read_text())
-    assert [r['mode'] for r in rows] == ['dense', 'masked', 'reforward', 'reuse']
+    assert [r['mode'] for r in rows] == ['dense', 'masked', 'reforward', 'reuse', 'kept_only']
     assert all(r['peak_mem'] > 0 and r['forward'] > 0 for r in rows)
     assert all(abs(r['overhead'] - (r['ratio'] - r['ideal'])) < 1e-9 for r in rows)
 
@@ -31,3 +34,13 @@ def test_bench_step_rejects_bad_keep(capsys):
     assert main(['--keep', '1.5']) == 2
     assert '(0, 1]' in capsys.readouterr().err
     with pytest.raises(ValueError): parse_keeps('a,b')
+
+
+def test_backward_floor_is_the_reference_backward_over_dense():
+    row = lambda mode, k, bwd: {'mode': mode, 'k': k, 'backward': bwd}
+    rows = [row('dense', 1.0, 100.0), row('reuse', 0.35, 42.0), row('kept_only', 0.35, 40.0),
+            row('reuse', 0.69, 77.0), row('kept_only', 0.69, 70.0), row('masked', 0.35, 101.0)]
+    floor = backward_floor(rows)
+    assert [f['k'] for f in floor] == [0.35, 0.69]
+    assert floor[0]['floor_share'] == pytest.approx(0.40) and floor[0]['reuse_over_floor'] == pytest.approx(1.05)
+    assert floor[1]['floor_share'] == pytest.approx(0.70) and floor[1]['reuse_over_floor'] == pytest.approx(1.10)
