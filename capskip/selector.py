@@ -234,27 +234,32 @@ def select(residuals: Tensor,   # [B, C] `softmax(z) − y` (see `residuals`)
     return _finish(p, m, thr_sq)
 
 # %% ../nbs/00_selector.ipynb #270e3cd9
-def first_violation(residuals: Tensor, features: Tensor, correct: Tensor, budget: float, weights: Tensor | None = None,
-                    eps: float = 1e-12, bias: bool = True, *, check_values: bool | None = None) -> Selection:
-    "The greedy variant: grow the prefix until the first m with ‖D_m‖ > b‖G‖ and stop (drops m_fv ≤ m* rows)."
+def _variant(rule, residuals, features, correct, budget, weights, eps, bias, check_values) -> Selection:
+    "Shared frame of the comparison rules: checks, sorted prefixes, threshold; `rule(p, thr_sq, idx)` returns m."
     _check_inputs(residuals, features, correct, budget, weights, eps, check_values)
     p = _prefixes(residuals, features, correct, weights, bias)
     thr_sq = _threshold_sq(p, budget, eps)
     idx = torch.arange(p.prefix_sq.shape[0], device=p.prefix_sq.device)
+    return _finish(p, rule(p, thr_sq, idx), thr_sq)
+
+def _first_violation_m(p: _Prefixes, thr_sq: Tensor, idx: Tensor) -> Tensor:
     violates = (p.prefix_sq > thr_sq) & (idx <= p.n)
     first = torch.where(violates, idx, torch.full_like(idx, idx.shape[0])).amin()
-    return _finish(p, torch.minimum(first - 1, p.n), thr_sq)
+    return torch.minimum(first - 1, p.n)
+
+def _magnitude_m(p: _Prefixes, thr_sq: Tensor, idx: Tensor) -> Tensor:
+    mag = torch.cat([p.keys_sorted.new_zeros(1), p.keys_sorted.cumsum(0)])
+    return torch.where((mag * mag <= thr_sq) & (idx <= p.n), idx, torch.zeros_like(idx)).amax()
+
+def first_violation(residuals: Tensor, features: Tensor, correct: Tensor, budget: float, weights: Tensor | None = None,
+                    eps: float = 1e-12, bias: bool = True, *, check_values: bool | None = None) -> Selection:
+    "The greedy variant: grow the prefix until the first m with ‖D_m‖ > b‖G‖ and stop (drops m_fv ≤ m* rows)."
+    return _variant(_first_violation_m, residuals, features, correct, budget, weights, eps, bias, check_values)
 
 def magnitude_budget(residuals: Tensor, features: Tensor, correct: Tensor, budget: float, weights: Tensor | None = None,
                      eps: float = 1e-12, bias: bool = True, *, check_values: bool | None = None) -> Selection:
     "The sufficient-only variant: the longest prefix whose summed magnitudes Σ w‖g‖ stay within b‖G‖ (drops m_mag ≤ m_fv)."
-    _check_inputs(residuals, features, correct, budget, weights, eps, check_values)
-    p = _prefixes(residuals, features, correct, weights, bias)
-    thr_sq = _threshold_sq(p, budget, eps)
-    mag = torch.cat([p.keys_sorted.new_zeros(1), p.keys_sorted.cumsum(0)])
-    idx = torch.arange(mag.shape[0], device=mag.device)
-    m = torch.where((mag * mag <= thr_sq) & (idx <= p.n), idx, torch.zeros_like(idx)).amax()
-    return _finish(p, m, thr_sq)
+    return _variant(_magnitude_m, residuals, features, correct, budget, weights, eps, bias, check_values)
 
 # %% ../nbs/00_selector.ipynb #7ed89780
 def last_layer_grad(residuals: Tensor, features: Tensor, weights: Tensor | None = None,
