@@ -276,35 +276,35 @@ def last_layer_grad(residuals: Tensor, features: Tensor, weights: Tensor | None 
 
 # %% ../nbs/00_selector.ipynb #6eb3451a
 def _digits_model_and_batch(steps: int, batch: int, seed: int):
-    "A seeded MLP trained `steps` SGD steps on sklearn's digits, and a held-out batch (x, y)."
-    from sklearn.datasets import load_digits
-    X, y = load_digits(return_X_y=True)
-    X, y = torch.tensor(X, dtype=torch.float32) / 16.0, torch.tensor(y, dtype=torch.long)
+    "The package's digits CNN trained `steps` seeded SGD steps on the embedded digits data; its body, head and a test batch."
+    from capskip.data import digits_splits
+    from capskip.models import create_model
+    splits = digits_splits(img_size=16, seed=seed)
+    if not 1 <= batch <= len(splits.test):
+        raise ValueError(f'--batch must be between 1 and the {len(splits.test)} rows of the digits test split, got {batch}')
+    torch.manual_seed(seed)
+    model = create_model('digits_cnn', num_classes=splits.num_classes)
+    body, head = model[:-1], model[-1]
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(X), generator=gen)
-    train, held = perm[:-batch], perm[-batch:]
-    body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU())
-    head = torch.nn.Linear(32, 10)
-    with torch.no_grad():
-        for layer in (body[0], body[2], head):
-            layer.weight.normal_(0.0, layer.in_features ** -0.5, generator=gen); layer.bias.zero_()
-    opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(steps):
-        rows = train[torch.randint(0, len(train), (128,), generator=gen)]
-        opt.zero_grad(); F.cross_entropy(head(body(X[rows])), y[rows]).backward(); opt.step()
-    return body, head, X[held], y[held]
+        x, y, _ = splits.train.fetch(torch.randint(0, len(splits.train), (128,), generator=gen))
+        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+    x, y, _ = splits.test.fetch(torch.arange(batch))
+    return body.eval(), head, x, y
 
 def select_demo_main(argv: list[str] | None = None) -> int:
     "`capskip select-demo`: run the selector on one real batch of the embedded digits data and print what it drops."
     parser = argparse.ArgumentParser(prog='capskip select-demo', description='The CAPSkip selector on one real batch.')
     parser.add_argument('--budget', type=float, default=0.09, help='b, the relative budget on the last-layer gradient')
     parser.add_argument('--batch', type=int, default=256, help='rows in the held-out batch')
-    parser.add_argument('--steps', type=int, default=60, help='SGD steps of the small model before selecting')
+    parser.add_argument('--steps', type=int, default=100, help='SGD steps of the small model before selecting')
     parser.add_argument('--label-smoothing', type=float, default=0.0)
     parser.add_argument('--seed', type=int, default=0)
     ns = parser.parse_args(argv or [])
     start = time.perf_counter()
-    body, head, x, y = _digits_model_and_batch(ns.steps, ns.batch, ns.seed)
+    try: body, head, x, y = _digits_model_and_batch(ns.steps, ns.batch, ns.seed)
+    except ValueError as err: parser.error(str(err))
     with torch.no_grad():
         feats = body(x); logits = head(feats)
     R, correct = residuals(logits, y, ns.label_smoothing), logits.argmax(1) == y
@@ -321,7 +321,7 @@ def select_demo_main(argv: list[str] | None = None) -> int:
             ('  from materialised grads', f'{float(check):.4f}'),
             ('kept fraction', f'{(ns.batch - int(sel.m)) / ns.batch:.3f}'),
             ('Σ‖g_i‖ / ‖G‖ over candidates', f'{float(sel.row_norms[correct].sum() / sel.total_norm):.2f}')]
-    print(f'select-demo: sklearn digits (8x8, 10 classes), MLP after {ns.steps} SGD steps, '
+    print(f'select-demo: embedded digits (16 px, 10 classes), digits_cnn after {ns.steps} SGD steps, '
           f'one held-out batch of {ns.batch} rows, seed {ns.seed}')
     for name, value in rows: print(f'  {name:<30} {value}')
     print(f'  ({time.perf_counter() - start:.1f} s)')
