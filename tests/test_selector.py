@@ -435,3 +435,9 @@ def test_same_selection_on_every_device_without_sync(device):
     else: sel = select(*args, 0.09, w.to(device))
     assert all(t.device.type == torch.device(device).type for t in sel)
     assert int(sel.m) == int(cpu.m) and torch.equal(sel.drop.cpu(), cpu.drop)
+
+
+def test_select_demo_refuses_a_batch_larger_than_the_test_split(capsys):
+    with pytest.raises(SystemExit) as exc:
+        select_demo_main(['--batch', '999', '--steps', '1'])
+    assert exc.value.code == 2 and '360 rows' in capsys.readouterr().err
