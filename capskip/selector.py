@@ -5,64 +5,24 @@
 # %% ../nbs/00_selector.ipynb #cf7a9ffb
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import numbers
-import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_selector_inputs, require_float
+from .core import SELECTOR_EPS, ce_residuals
+
 # %% auto #0
-__all__ = ['residuals', 'Selection', 'select_reference', 'select', 'first_violation', 'magnitude_budget', 'last_layer_grad',
-           'select_demo_main']
-
-# %% ../nbs/00_selector.ipynb #0df18aba
-def _check_values_wanted(check_values: bool | None, *tensors: Tensor) -> bool:
-    "Value checks (finite, non-negative) read one flag from the device: by default only on CPU, never while compiling."
-    if torch.compiler.is_compiling(): return False
-    if check_values is None: return all(t.device.type == 'cpu' for t in tensors)
-    return bool(check_values)
-
-def _require_float(name: str, t) -> None:
-    if not isinstance(t, Tensor): raise TypeError(f'{name} must be a torch.Tensor, got {type(t).__name__}')
-    if not t.is_floating_point():
-        raise TypeError(f'{name} must be a floating-point tensor, got dtype {t.dtype}; convert it with `.float()`')
-
-def _require_finite(name: str, t: Tensor) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f'{name} holds NaN or Inf values; the selector needs finite residuals, features and weights '
-                         '(check the forward pass, e.g. for an overflow under fp16 autocast)')
+__all__ = ['residuals', 'Selection', 'select_reference', 'Prefixes', 'factorised_gram', 'gram_dtype', 'sorted_prefixes',
+           'threshold_sq', 'finish_selection', 'full_scan_m', 'select', 'first_violation_m', 'magnitude_m',
+           'first_violation', 'magnitude_budget', 'last_layer_grad']
 
 # %% ../nbs/00_selector.ipynb #064e8c85
-def residuals(logits: Tensor,  # [B, C] logits of the final layer, any float dtype
-              targets: Tensor,  # [B] integer class labels in [0, C)
-              label_smoothing: float = 0.0,  # the ε of `cross_entropy(label_smoothing=ε)`
-              check_values: bool | None = None,  # check label range / finiteness (default: on CPU only)
-             ) -> Tensor:  # [B, C] float32, `softmax(z) − y`
-    "Per-row gradient of cross-entropy w.r.t. the logits, `softmax(z) − y`, with torch's label-smoothed target `y`."
-    _require_float('logits', logits)
-    if logits.ndim != 2: raise ValueError(f'logits must be [B, C], got shape {tuple(logits.shape)}')
-    if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
-        raise TypeError(f'targets must be an integer tensor of class labels, got '
-                        f'{getattr(targets, "dtype", type(targets).__name__)}; pass `labels.long()` (not one-hot or soft targets)')
-    if targets.ndim != 1 or targets.shape[0] != logits.shape[0]:
-        raise ValueError(f'targets must be [B] with B = {logits.shape[0]} (rows of logits), got shape {tuple(targets.shape)}')
-    if not (0.0 <= float(label_smoothing) < 1.0):
-        raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
-    B, C = logits.shape
-    if _check_values_wanted(check_values, logits, targets):
-        if B and not bool(((targets >= 0) & (targets < C)).all()):
-            raise ValueError(f'targets must lie in [0, {C}) for {C} classes; got values outside '
-                             '(ignore_index rows are not supported: remove them before selecting)')
-        _require_finite('logits', logits)
-    z = logits.float()
-    eps = float(label_smoothing)
-    y = torch.full_like(z, eps / C).scatter(1, targets.long()[:, None], 1.0 - eps + eps / C)
-    return torch.softmax(z, dim=1) - y
+residuals = ce_residuals   # one softmax − y for the package (capskip.core); the engine uses the same function
+_all_ = ['residuals']
 
 # %% ../nbs/00_selector.ipynb #9c3bbe6c
 class Selection(NamedTuple):
@@ -78,46 +38,6 @@ class Selection(NamedTuple):
     prefix_norms: Tensor  # [B+1], ‖D_m‖ for m = 0..B along `order` (the rule looks at m ≤ n_candidates)
     threshold: Tensor     # 0-d, sqrt(b²‖G‖² + ε): every accepted ‖D_m‖ is at most this
 
-# %% ../nbs/00_selector.ipynb #d57ab593
-def _check_inputs(residuals, features, correct, budget, weights, eps, check_values) -> None:
-    "Shape/dtype/device checks (metadata only) and, when wanted, value checks; the message names the problem."
-    _require_float('residuals', residuals)
-    _require_float('features', features)
-    if residuals.ndim != 2: raise ValueError(f'residuals must be [B, C] (softmax(z) − y per row), got shape {tuple(residuals.shape)}')
-    if features.ndim != 2:
-        raise ValueError(f'features must be [B, d] (the final layer\'s input per row; pool or flatten tokens first), got shape {tuple(features.shape)}')
-    B = residuals.shape[0]
-    if features.shape[0] != B: raise ValueError(f'batch sizes differ: residuals has {B} rows, features has {features.shape[0]}')
-    if not isinstance(correct, Tensor) or correct.dtype != torch.bool:
-        raise TypeError(f'correct must be a bool tensor (candidate mask, e.g. `logits.argmax(1) == targets`), '
-                        f'got {getattr(correct, "dtype", type(correct).__name__)}')
-    if correct.shape != (B,): raise ValueError(f'correct must be [B] with B = {B}, got shape {tuple(correct.shape)}')
-    tensors = [('features', features), ('correct', correct)]
-    if weights is not None:
-        _require_float('weights', weights)
-        if weights.shape != (B,): raise ValueError(f'weights must be [B] with B = {B} (one per row), got shape {tuple(weights.shape)}')
-        if weights.requires_grad: raise ValueError('weights must be detached (pass `weights.detach()`): they are constants of the objective')
-        tensors.append(('weights', weights))
-    for name, x in tensors:
-        if x.device != residuals.device:
-            raise ValueError(f'{name} is on {x.device} but residuals on {residuals.device}: move them to one device')
-    if isinstance(budget, Tensor):
-        if budget.ndim != 0: raise ValueError(f'budget must be a number or a 0-d tensor, got shape {tuple(budget.shape)}')
-    elif not isinstance(budget, numbers.Real) or isinstance(budget, bool):
-        raise TypeError(f'budget must be a float (e.g. 0.09), got {type(budget).__name__}')
-    if not torch.compiler.is_compiling():   # numbers may be symbolic while tracing; they were checked eagerly
-        if not isinstance(budget, Tensor) and not (math.isfinite(budget) and budget >= 0):
-            raise ValueError(f'budget must be a finite number ≥ 0 (e.g. 0.09), got {budget}')
-        if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps >= 0): raise ValueError(f'eps must be a finite number ≥ 0, got {eps}')
-    if _check_values_wanted(check_values, residuals, features):
-        _require_finite('residuals', residuals)
-        _require_finite('features', features)
-        if weights is not None:
-            _require_finite('weights', weights)
-            if not bool((weights >= 0).all()): raise ValueError('weights must be ≥ 0 (they are per-row loss weights); got a negative weight')
-        if isinstance(budget, Tensor) and not bool(torch.isfinite(budget) & (budget >= 0)):
-            raise ValueError(f'budget must be a finite number ≥ 0, got {budget}')
-
 # %% ../nbs/00_selector.ipynb #cb278e23
 def select_reference(residuals: Tensor, features: Tensor, correct: Tensor, budget: float,
                      weights: Tensor | None = None, eps: float = 0.0, bias: bool = True,
@@ -127,7 +47,7 @@ def select_reference(residuals: Tensor, features: Tensor, correct: Tensor, budge
     "The oracle: Definition 1 in float64 by a plain loop over prefixes of materialised per-row gradients (slow; for tests)."
     if rule not in ('full', 'first_violation', 'magnitude'):
         raise ValueError(f"rule must be 'full', 'first_violation' or 'magnitude', got {rule!r}")
-    _check_inputs(residuals, features, correct, budget, weights, eps, True)
+    check_selector_inputs(residuals, features, correct, budget, weights, eps, True)
     device = residuals.device
     R, H = residuals.detach().double().cpu(), features.detach().double().cpu()
     B = R.shape[0]
@@ -170,39 +90,47 @@ def select_reference(residuals: Tensor, features: Tensor, correct: Tensor, budge
                      f64(prefix), f64(threshold))
 
 # %% ../nbs/00_selector.ipynb #1848ebea
-class _Prefixes(NamedTuple):
+class Prefixes(NamedTuple):
+    "Algorithm 1's steps 1–4: the sort order, the candidate count, the sorted keys w‖g‖, ‖D_m‖² for m = 0..B, ‖G‖², ‖g_i‖."
     order: Tensor; n: Tensor; keys_sorted: Tensor; prefix_sq: Tensor; total_sq: Tensor; row_norms: Tensor
 
 def _no_autocast(device: torch.device):
     "A context that switches autocast off on `device` (so matmuls stay fp32 inside an autocast region)."
     return torch.autocast(device.type, enabled=False) if torch.amp.is_autocast_available(device.type) else contextlib.nullcontext()
 
-def _prefixes(residuals: Tensor, features: Tensor, correct: Tensor, weights: Tensor | None, bias: bool) -> _Prefixes:
-    "Algorithm 1, steps 1–4, in fp32 even inside an autocast region."
-    with _no_autocast(residuals.device): return _prefixes_fp32(residuals, features, correct, weights, bias)
+def factorised_gram(Rs: Tensor, Hs: Tensor, bias: bool = True) -> Tensor:
+    "K_ij = (r_i·r_j)(h̃_i·h̃_j) from two small Grams, never materialising a per-row gradient (rows already weighted)."
+    return (Rs @ Rs.T) * (Hs @ Hs.T + (1.0 if bias else 0.0))
 
-def _prefixes_fp32(residuals: Tensor, features: Tensor, correct: Tensor, weights: Tensor | None, bias: bool) -> _Prefixes:
-    "Sort rows by w‖g‖ (candidates first) and get every prefix's ‖D_m‖² from the factorised Gram."
-    R, H = residuals.float(), features.float()            # fp32 even for bf16/fp16 inputs
-    B, one = R.shape[0], (1.0 if bias else 0.0)
-    w = torch.ones(B, dtype=torch.float32, device=R.device) if weights is None else weights.detach().float()
-    row_norms = (R * R).sum(1).sqrt() * ((H * H).sum(1) + one).sqrt()   # ‖g_i‖ = ‖r_i‖·‖h̃_i‖
-    key = torch.where(correct, w * row_norms, torch.full_like(row_norms, math.inf))
-    order = torch.sort(key, stable=True).indices          # ascending; ties keep the row order
-    order = order[torch.sort((~correct[order]).to(torch.uint8), stable=True).indices]  # candidates strictly first
-    ws = w[order]
-    Rs, Hs = R[order] * ws[:, None], H[order]
-    K = (Rs @ Rs.T) * (Hs @ Hs.T + one)                   # K_ij = w_i w_j (r_i·r_j)(h̃_i·h̃_j)
-    diag = K.cumsum(0).cumsum(1).diagonal()               # ‖D_m‖² for m = 1..B (2-D prefix sums)
-    prefix_sq = torch.cat([diag.new_zeros(1), diag]).clamp_min(0.0)
-    keys_sorted = torch.where(correct[order], ws * row_norms[order], torch.zeros_like(ws))
-    return _Prefixes(order, correct.sum(), keys_sorted, prefix_sq, prefix_sq[-1], row_norms)
+def gram_dtype(device: torch.device) -> torch.dtype:
+    "float64 for the Gram and its prefix sums wherever the device has it (B×B is small); float32 on MPS."
+    return torch.float32 if device.type == 'mps' else torch.float64
 
-def _threshold_sq(p: _Prefixes, budget, eps: float) -> Tensor:
-    b = budget.float() if isinstance(budget, Tensor) else float(budget)
+def sorted_prefixes(residuals: Tensor, features: Tensor, correct: Tensor, weights: Tensor | None = None, bias: bool = True,
+                    gram: Callable[[Tensor, Tensor, bool], Tensor] = factorised_gram) -> Prefixes:
+    "Sort rows by w‖g‖ (candidates first) and get every prefix's ‖D_m‖² from the Gram in float64 (never under autocast)."
+    with _no_autocast(residuals.device):
+        R, H = residuals.float(), features.float()            # fp32 even for bf16/fp16 inputs
+        B, one = R.shape[0], (1.0 if bias else 0.0)
+        w = torch.ones(B, dtype=torch.float32, device=R.device) if weights is None else weights.detach().float()
+        row_norms = (R * R).sum(1).sqrt() * ((H * H).sum(1) + one).sqrt()   # ‖g_i‖ = ‖r_i‖·‖h̃_i‖
+        key = torch.where(correct, w * row_norms, torch.full_like(row_norms, math.inf))
+        order = torch.sort(key, stable=True).indices          # ascending; ties keep the row order
+        order = order[torch.sort((~correct[order]).to(torch.uint8), stable=True).indices]  # candidates strictly first
+        ws = w[order]
+        acc = gram_dtype(R.device)                            # the bound is decided in float64 (see below)
+        K = gram(R[order].to(acc) * ws.to(acc)[:, None], H[order].to(acc), bias)   # K_ij = w_i w_j (r_i·r_j)(h̃_i·h̃_j)
+        diag = K.cumsum(0).cumsum(1).diagonal()               # ‖D_m‖² for m = 1..B (2-D prefix sums)
+        prefix_sq = torch.cat([diag.new_zeros(1), diag]).clamp_min(0.0)
+        keys_sorted = torch.where(correct[order], ws * row_norms[order], torch.zeros_like(ws))
+        return Prefixes(order, correct.sum(), keys_sorted, prefix_sq, prefix_sq[-1], row_norms)
+
+def threshold_sq(p: Prefixes, budget, eps: float = SELECTOR_EPS) -> Tensor:
+    "b²‖G‖² + ε, the bound every dropped prefix's ‖D_m‖² must meet (in the Gram's dtype)."
+    b = budget.to(p.total_sq.dtype) if isinstance(budget, Tensor) else float(budget)
     return b * b * p.total_sq + eps
 
-def _finish(p: _Prefixes, m: Tensor, thr_sq: Tensor) -> Selection:
+def finish_selection(p: Prefixes, m: Tensor, thr_sq: Tensor) -> Selection:
     "Turn the prefix length m into the drop mask (sorted rank < m, scattered back to row order) and the statistics."
     B = p.order.shape[0]
     drop_sorted = torch.arange(B, device=p.order.device) < m
@@ -212,60 +140,65 @@ def _finish(p: _Prefixes, m: Tensor, thr_sq: Tensor) -> Selection:
     safe_total = torch.where(total > 0, total, torch.ones_like(total))
     ratio = torch.where(total > 0, dropped / safe_total,
                         torch.where(dropped > 0, torch.full_like(total, math.inf), torch.zeros_like(total)))
-    return Selection(drop, m, ratio, p.n, p.row_norms, total, dropped, p.order, prefix_norms, thr_sq.sqrt())
+    f32 = lambda t: t.to(torch.float32)                  # statistics are reported in float32 (decided in float64)
+    return Selection(drop, m, f32(ratio), p.n, p.row_norms, f32(total), f32(dropped), p.order, f32(prefix_norms),
+                     f32(thr_sq.sqrt()))
+
+def full_scan_m(p: Prefixes, thr_sq: Tensor) -> Tensor:
+    "m*: the longest candidate prefix with ‖D_m‖² ≤ b²‖G‖² + ε (a full scan: later prefixes may be feasible again)."
+    idx = torch.arange(p.prefix_sq.shape[0], device=p.prefix_sq.device)
+    feasible = (p.prefix_sq <= thr_sq) & (idx <= p.n)
+    return torch.where(feasible, idx, torch.zeros_like(idx)).amax()   # m = 0 is always feasible
 
 # %% ../nbs/00_selector.ipynb #83444188
+def _select_with(m_rule, residuals, features, correct, budget, weights, eps, bias, check_values) -> Selection:
+    "The frame every rule shares: checks, sorted prefixes, threshold; `m_rule(p, thr_sq)` returns m."
+    check_selector_inputs(residuals, features, correct, budget, weights, eps, check_values)
+    p = sorted_prefixes(residuals, features, correct, weights, bias)
+    thr_sq = threshold_sq(p, budget, eps)
+    return finish_selection(p, m_rule(p, thr_sq), thr_sq)
+
 def select(residuals: Tensor,   # [B, C] `softmax(z) − y` (see `residuals`)
            features: Tensor,    # [B, d] the final layer's input h (no bias column)
            correct: Tensor,     # bool [B], candidate rows (classified correctly)
            budget: float,       # b: the dropped part is at most b·‖G‖
            weights: Tensor | None = None,  # detached [B] loss weights of an outer pruner (weighted form)
-           eps: float = 1e-12,  # absolute slack on ‖D_m‖² (round-off allowance; the whole allowance at G = 0)
+           eps: float = SELECTOR_EPS,  # absolute slack on ‖D_m‖² (round-off allowance; the whole allowance at G = 0)
            bias: bool = True,   # the final layer has a bias (h̃ = [h; 1]); False for heads without bias
            *, check_values: bool | None = None,  # finite / non-negative checks; default: on CPU only
           ) -> Selection:
     "CAPSkip on the device: drop the longest candidate prefix (by w‖g‖) whose summed gradient is at most b‖G‖."
-    _check_inputs(residuals, features, correct, budget, weights, eps, check_values)
-    p = _prefixes(residuals, features, correct, weights, bias)
-    thr_sq = _threshold_sq(p, budget, eps)
-    idx = torch.arange(p.prefix_sq.shape[0], device=p.prefix_sq.device)
-    feasible = (p.prefix_sq <= thr_sq) & (idx <= p.n)
-    m = torch.where(feasible, idx, torch.zeros_like(idx)).amax()   # m = 0 is always feasible
-    return _finish(p, m, thr_sq)
+    return _select_with(full_scan_m, residuals, features, correct, budget, weights, eps, bias, check_values)
 
 # %% ../nbs/00_selector.ipynb #270e3cd9
-def _variant(rule, residuals, features, correct, budget, weights, eps, bias, check_values) -> Selection:
-    "Shared frame of the comparison rules: checks, sorted prefixes, threshold; `rule(p, thr_sq, idx)` returns m."
-    _check_inputs(residuals, features, correct, budget, weights, eps, check_values)
-    p = _prefixes(residuals, features, correct, weights, bias)
-    thr_sq = _threshold_sq(p, budget, eps)
+def first_violation_m(p: Prefixes, thr_sq: Tensor) -> Tensor:
+    "m_fv: one less than the first candidate prefix that violates the budget (n if none)."
     idx = torch.arange(p.prefix_sq.shape[0], device=p.prefix_sq.device)
-    return _finish(p, rule(p, thr_sq, idx), thr_sq)
-
-def _first_violation_m(p: _Prefixes, thr_sq: Tensor, idx: Tensor) -> Tensor:
     violates = (p.prefix_sq > thr_sq) & (idx <= p.n)
     first = torch.where(violates, idx, torch.full_like(idx, idx.shape[0])).amin()
     return torch.minimum(first - 1, p.n)
 
-def _magnitude_m(p: _Prefixes, thr_sq: Tensor, idx: Tensor) -> Tensor:
+def magnitude_m(p: Prefixes, thr_sq: Tensor) -> Tensor:
+    "m_mag: the longest candidate prefix whose summed magnitudes Σ w‖g‖ stay within the budget."
+    idx = torch.arange(p.prefix_sq.shape[0], device=p.prefix_sq.device)
     mag = torch.cat([p.keys_sorted.new_zeros(1), p.keys_sorted.cumsum(0)])
     return torch.where((mag * mag <= thr_sq) & (idx <= p.n), idx, torch.zeros_like(idx)).amax()
 
 def first_violation(residuals: Tensor, features: Tensor, correct: Tensor, budget: float, weights: Tensor | None = None,
-                    eps: float = 1e-12, bias: bool = True, *, check_values: bool | None = None) -> Selection:
+                    eps: float = SELECTOR_EPS, bias: bool = True, *, check_values: bool | None = None) -> Selection:
     "The greedy variant: grow the prefix until the first m with ‖D_m‖ > b‖G‖ and stop (drops m_fv ≤ m* rows)."
-    return _variant(_first_violation_m, residuals, features, correct, budget, weights, eps, bias, check_values)
+    return _select_with(first_violation_m, residuals, features, correct, budget, weights, eps, bias, check_values)
 
 def magnitude_budget(residuals: Tensor, features: Tensor, correct: Tensor, budget: float, weights: Tensor | None = None,
-                     eps: float = 1e-12, bias: bool = True, *, check_values: bool | None = None) -> Selection:
+                     eps: float = SELECTOR_EPS, bias: bool = True, *, check_values: bool | None = None) -> Selection:
     "The sufficient-only variant: the longest prefix whose summed magnitudes Σ w‖g‖ stay within b‖G‖ (drops m_mag ≤ m_fv)."
-    return _variant(_magnitude_m, residuals, features, correct, budget, weights, eps, bias, check_values)
+    return _select_with(magnitude_m, residuals, features, correct, budget, weights, eps, bias, check_values)
 
 # %% ../nbs/00_selector.ipynb #7ed89780
 def last_layer_grad(residuals: Tensor, features: Tensor, weights: Tensor | None = None,
                     bias: bool = True) -> tuple[Tensor, Tensor | None]:
     "The raw final-layer gradient Σ_i w_i r_i h_iᵀ ([C, d]) and Σ_i w_i r_i ([C], or None without bias); callers divide by B."
-    _require_float('residuals', residuals); _require_float('features', features)
+    require_float('residuals', residuals); require_float('features', features)
     if residuals.ndim != 2 or features.ndim != 2 or residuals.shape[0] != features.shape[0]:
         raise ValueError(f'residuals [B, C] and features [B, d] must share B, got {tuple(residuals.shape)} and {tuple(features.shape)}')
     R = residuals.float()
@@ -273,56 +206,3 @@ def last_layer_grad(residuals: Tensor, features: Tensor, weights: Tensor | None 
         if weights.shape != (R.shape[0],): raise ValueError(f'weights must be [B] with B = {R.shape[0]}, got shape {tuple(weights.shape)}')
         R = R * weights.detach().float()[:, None]
     with _no_autocast(R.device): return R.T @ features.float(), (R.sum(0) if bias else None)
-
-# %% ../nbs/00_selector.ipynb #6eb3451a
-def _digits_model_and_batch(steps: int, batch: int, seed: int):
-    "The package's digits CNN trained `steps` seeded SGD steps on the embedded digits data; its body, head and a test batch."
-    from capskip.data import digits_splits
-    from capskip.models import create_model
-    splits = digits_splits(img_size=16, seed=seed)
-    if not 1 <= batch <= len(splits.test):
-        raise ValueError(f'--batch must be between 1 and the {len(splits.test)} rows of the digits test split, got {batch}')
-    torch.manual_seed(seed)
-    model = create_model('digits_cnn', num_classes=splits.num_classes)
-    body, head = model[:-1], model[-1]
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(steps):
-        x, y, _ = splits.train.fetch(torch.randint(0, len(splits.train), (128,), generator=gen))
-        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
-    x, y, _ = splits.test.fetch(torch.arange(batch))
-    return body.eval(), head, x, y
-
-def select_demo_main(argv: list[str] | None = None) -> int:
-    "`capskip select-demo`: run the selector on one real batch of the embedded digits data and print what it drops."
-    parser = argparse.ArgumentParser(prog='capskip select-demo', description='The CAPSkip selector on one real batch.')
-    parser.add_argument('--budget', type=float, default=0.09, help='b, the relative budget on the last-layer gradient')
-    parser.add_argument('--batch', type=int, default=256, help='rows in the held-out batch')
-    parser.add_argument('--steps', type=int, default=100, help='SGD steps of the small model before selecting')
-    parser.add_argument('--label-smoothing', type=float, default=0.0)
-    parser.add_argument('--seed', type=int, default=0)
-    ns = parser.parse_args(argv or [])
-    start = time.perf_counter()
-    try: body, head, x, y = _digits_model_and_batch(ns.steps, ns.batch, ns.seed)
-    except ValueError as err: parser.error(str(err))
-    with torch.no_grad():
-        feats = body(x); logits = head(feats)
-    R, correct = residuals(logits, y, ns.label_smoothing), logits.argmax(1) == y
-    sel = select(R, feats, correct, ns.budget)
-    m_fv, m_mag = first_violation(R, feats, correct, ns.budget).m, magnitude_budget(R, feats, correct, ns.budget).m
-    gW, gb = last_layer_grad(R, feats)
-    dW, db = last_layer_grad(R[sel.drop], feats[sel.drop])
-    check = torch.cat([dW, db[:, None]], 1).norm() / torch.cat([gW, gb[:, None]], 1).norm()
-    rows = [('candidates (correct rows)', f'{int(sel.n_candidates)} / {ns.batch}'),
-            ('m*   (full scan, CAPSkip)', f'{int(sel.m)}'),
-            ('m_fv (first violation)', f'{int(m_fv)}'),
-            ('m_mag (magnitude budget)', f'{int(m_mag)}'),
-            ('distortion ‖D‖/‖G‖', f'{float(sel.distortion):.4f}  (budget {ns.budget})'),
-            ('  from materialised grads', f'{float(check):.4f}'),
-            ('kept fraction', f'{(ns.batch - int(sel.m)) / ns.batch:.3f}'),
-            ('Σ‖g_i‖ / ‖G‖ over candidates', f'{float(sel.row_norms[correct].sum() / sel.total_norm):.2f}')]
-    print(f'select-demo: embedded digits (16 px, 10 classes), digits_cnn after {ns.steps} SGD steps, '
-          f'one held-out batch of {ns.batch} rows, seed {ns.seed}')
-    for name, value in rows: print(f'  {name:<30} {value}')
-    print(f'  ({time.perf_counter() - start:.1f} s)')
-    return 0

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from capskip.bench_selector import COLUMNS, format_table, main, materialised_gram, select_materialised
-from capskip.cli import bench_main
+from capskip.bench.selector import COLUMNS, format_table, materialised_gram, select_materialised
+from capskip.cli.tools import bench_main, bench_selector_main as main
 from capskip.selector import select
 
 
@@ -42,4 +42,8 @@ def test_materialised_gram_equals_factorised_selection():
     Ht = torch.cat([H, torch.ones(20, 1)], 1)
     assert torch.allclose(materialised_gram(R, H, order), (R @ R.T) * (Ht @ Ht.T), rtol=1e-4, atol=1e-4)
     for b in (0.0, 0.1, 0.6):
-        assert torch.equal(select_materialised(R, H, correct, b).drop, select(R, H, correct, b).drop)
+        mat, fac = select_materialised(R, H, correct, b), select(R, H, correct, b)
+        assert torch.equal(mat.drop, fac.drop) and int(mat.m) == int(fac.m)
+        assert torch.equal(mat.order, fac.order)
+        assert torch.allclose(mat.prefix_norms, fac.prefix_norms, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(mat.threshold, fac.threshold, rtol=1e-4) and torch.allclose(mat.distortion, fac.distortion, rtol=1e-3, atol=1e-6)

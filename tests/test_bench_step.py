@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from capskip.bench_step import PHASES, backward_floor, main, parse_keeps
+from capskip.bench.step import STEP_PHASES, backward_floor, parse_keeps
+from capskip.cli.tools import bench_main, bench_step_main as main
 
 
 def test_bench_step_table_structure(tmp_path, capsys):
@@ -15,7 +16,7 @@ def test_bench_step_table_structure(tmp_path, capsys):
     head = next(i for i, l in enumerate(lines) if l.split()[:2] == ['mode', 'k'])
     columns = lines[head].split()
     assert columns[:8] == ['mode', 'k', 'ratio', 'ideal', 'overhead', 'peak_mem', 'peak_MiB', 'step_ms']
-    assert columns[8:] == list(PHASES)
+    assert columns[8:] == list(STEP_PHASES)
     body = [l.split() for l in lines[head + 1:head + 6]]
     assert [(r[0], r[1]) for r in body] == [('dense', '1.00'), ('masked', '0.50'), ('reforward', '0.50'), ('reuse', '0.50'),
                                             ('kept_only', '0.50')]
@@ -33,6 +34,8 @@ def test_bench_step_table_structure(tmp_path, capsys):
 def test_bench_step_rejects_bad_keep(capsys):
     assert main(['--keep', '1.5']) == 2
     assert '(0, 1]' in capsys.readouterr().err
+    assert bench_main(['step', '--keep', '0,0.5']) == 2
+    with pytest.raises(SystemExit): main(['--batch', '1'])
     with pytest.raises(ValueError): parse_keeps('a,b')
 
 

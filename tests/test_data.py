@@ -1,4 +1,4 @@
-"""capskip.data: seeded stratified splits, (x, y, idx) rows, plan loaders, and CIFAR-100 read from real-format files."""
+"""capskip.runs.data: seeded stratified splits, (x, y, idx) rows, plan loaders, and CIFAR-100 read from real-format files."""
 import pickle
 import struct
 from collections import Counter
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-from capskip.data import (CIFAR100_MEAN, CIFAR100_STD, IMAGENET_MEAN, IMAGENET_STD, CIFAR100Files, ImageRows,
-                          ImageTransform, Splits, cifar100_splits, create_splits, digits_splits, make_loader,
-                          stratified_split, synthetic_splits, write_fake_cifar100)
+from capskip.runs.data import (CIFAR100_MEAN, CIFAR100_STD, IMAGENET_MEAN, IMAGENET_STD, CIFAR100Files, ImageRows,
+                               ImageTransform, Splits, cifar100_splits, create_splits, digits_splits, list_splits,
+                               make_loader, stratified_split, synthetic_splits)
+from capskip.testing.files import write_fake_cifar100
 
 
 # ---------------------------------------------------------------- stratified_split
@@ -317,6 +318,7 @@ def test_create_splits_by_name(cifar_root):
     assert create_splits('synthetic', n=10, img_size=4, num_classes=2).num_classes == 2
     assert len(create_splits('cifar100', root=cifar_root).val) == 100
     with pytest.raises(ValueError, match='cifar100'): create_splits('mnist')
+    assert list_splits() == ['digits', 'cifar100', 'synthetic'] and list_splits('c*') == ['cifar100']
 
 
 def test_image_rows_validates_inputs():

@@ -1,6 +1,6 @@
 """Data-parallel runs on CPU with gloo: the all-reduced gradient equals a single-process reference over the same kept
 rows with the global-batch denominator; InfoBatch state merges so that plans agree on every process; and
-`torchrun -m capskip.train --ddp` runs end to end."""
+`torchrun -m capskip train --ddp` runs end to end."""
 import os
 import shutil
 import socket
@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = textwrap.dedent('''
     import sys, torch
     import torch.distributed as tdist
-    from capskip.distributed import init_distributed
-    from capskip.data import digits_splits
-    from capskip.models import create_model
+    from capskip.runs.distributed import init_distributed
+    from capskip.runs.data import digits_splits
+    from capskip.runs.models import create_model
     from capskip.policies import create_policy
 
     out = sys.argv[1]
@@ -84,8 +84,8 @@ def two_ranks(tmp_path_factory):
 
 
 def test_ddp_gradient_equals_single_process_reference(two_ranks):
-    from capskip.data import digits_splits
-    from capskip.models import create_model
+    from capskip.runs.data import digits_splits
+    from capskip.runs.models import create_model
     splits = digits_splits()
     torch.manual_seed(0)
     model = create_model('digits_cnn', num_classes=10)
@@ -121,12 +121,12 @@ def test_infobatch_state_merges_and_plans_agree(two_ranks):
 def test_torchrun_train_end_to_end(tmp_path):
     torchrun = shutil.which('torchrun') or str(Path(sys.executable).with_name('torchrun'))
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    cmd = [torchrun, '--nproc_per_node', '2', '--master_port', str(free_port()), '-m', 'capskip.train', '--ddp',
+    cmd = [torchrun, '--nproc_per_node', '2', '--master_port', str(free_port()), '-m', 'capskip', 'train', '--ddp',
            '--recipe', 'digits_ib', '--arm', 'infobatch_capskip', '--seed', '1', '--epochs', '2', '--batch-size', '64', '--device', 'cpu',
            '--out', str(tmp_path), '--quiet']
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    from capskip.runio import read_json, read_jsonl, run_dir
+    from capskip.runs.runio import read_json, read_jsonl, run_dir
     folder = run_dir(tmp_path, 'digits_ib', 'infobatch_capskip', 1, 2)
     final, rows, config = read_json(folder / 'final.json'), read_jsonl(folder / 'results.jsonl'), read_json(folder / 'config.json')
     assert final['complete'] and config['meta']['world_size'] == 2

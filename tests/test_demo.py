@@ -1,19 +1,31 @@
 """`capskip demo`: trains dense and CAPSkip on the embedded digits data, prints the table, writes the plot, reuses runs."""
 import math
 
+import numpy as np
 import pytest
+from scipy import stats as sps
 
-from capskip.demo import demo, main, summarize
-from capskip.runio import read_json, run_dir
+from capskip.analysis.demo import demo, summarize
+from capskip.cli.runs import demo_main
+from capskip.runs.runio import read_json, run_dir
 
 
 def test_demo_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     argv = ['--seeds', '2', '--epochs', '1', '--recipe', 'digits', '--out', str(tmp_path), '--set', 'batch_size=256']
-    assert main(argv) == 0
+    assert demo_main(argv) == 0
     out = capsys.readouterr().out
     lines = {l.split()[0]: l for l in out.splitlines() if l.split() and l.split()[0] in ('dense', 'capskip')}
     assert set(lines) == {'dense', 'capskip'}
-    assert 'unresolved' in lines['capskip'] or 'better' in lines['capskip'] or 'worse' in lines['capskip']
+    # the accuracy column: mean paired difference (pp) with its 95% t-interval, recomputed here with SciPy from the
+    # run folders, and the one label that interval implies (better above 0, worse below 0, otherwise unresolved)
+    acc = lambda arm, s: 100 * read_json(run_dir(tmp_path, 'digits', arm, s, 1) / 'final.json')['test_acc']
+    diffs = np.array([acc('capskip', s) - acc('dense', s) for s in (1, 2)])
+    if diffs.std() == 0:
+        lo = hi = diffs.mean()
+    else:
+        lo, hi = sps.t.interval(0.95, len(diffs) - 1, loc=diffs.mean(), scale=sps.sem(diffs))
+    label = 'better' if lo > 0 else 'worse' if hi < 0 else 'unresolved'
+    assert f'{diffs.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] {label}' in lines['capskip']
     pngs = list(tmp_path.glob('*.png'))
     assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     # the table's ratio is the geometric mean of the per-seed ratios in the run folders
@@ -38,6 +50,6 @@ def test_summarize_pairs_by_seed():
 
 def test_demo_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
-        main(['--seeds', '0', '--out', str(tmp_path)])
+        demo_main(['--seeds', '0', '--out', str(tmp_path)])
     with pytest.raises(ValueError, match='seeds'):
         demo(seeds=0, out=tmp_path)

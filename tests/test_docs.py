@@ -1,8 +1,9 @@
 """The docs site: `capskip docs` builds it offline from nbs/, and headless Chromium finds every page working.
 
 One session fixture builds the real site from nbs/ with stored outputs (`--no-execute`: the suite already runs every
-notebook through nbdev_test) and loads every page in Debian's Chromium; a small scratch project checks the executing
-build (`capskip docs --check`: outputs, plots, skipped test flags) and the error path. Chromium missing is a failure.
+notebook through nbdev_test) and loads every page in Debian's Chromium; a small scratch project checks the default
+build (`capskip docs --check`: a notebook stored without outputs is executed — outputs, plots, skipped test flags —
+and one committed with outputs is rendered as stored) and the error path. Chromium missing is a failure.
 """
 import json
 import re
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from capskip.docs import DocsBuildError, build_site, find_pages, main, read_settings, site_url
-from capskip.docs_check import check_site, find_chromium, public_api, site_pages
+from capskip._docs.build import DocsBuildError, build_site, find_pages, read_settings, site_url
+from capskip._docs.check import check_site, find_chromium, public_api, site_pages
+from capskip.cli.tools import docs_main as main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,10 +91,13 @@ def test_links_stay_on_the_site(built):
 # --- the executing build, on a scratch project -------------------------------------------------------------------
 
 def _nb(cells):
+    "Cells as (kind, source) or, for a code cell with a stored output, ('code', source, printed text)."
     out = []
-    for i, (kind, src) in enumerate(cells):
+    for i, (kind, src, *stored) in enumerate(cells):
         cell = {'cell_type': kind, 'id': f'c{i}', 'metadata': {}, 'source': src}
-        if kind == 'code': cell.update(outputs=[], execution_count=None)
+        if kind == 'code':
+            outputs = [{'output_type': 'stream', 'name': 'stdout', 'text': text} for text in stored]
+            cell.update(outputs=outputs, execution_count=1 if stored else None)
         out.append(cell)
     return {'cells': out, 'metadata': {'kernelspec': {'display_name': 'python3', 'language': 'python', 'name': 'python3'}},
             'nbformat': 4, 'nbformat_minor': 5}
@@ -116,6 +121,9 @@ def _project(tmp: Path, extra: dict | None = None) -> Path:
             ('code', 'import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(2, 2)); ax.plot([0, 1], [1, 0]); plt.show()'),
         ],
         'tutorials/01_walk.ipynb': [('markdown', '# A walk\n\n> Tutorial.'), ('code', 'print(6 * 7)')],
+        'tutorials/02_stored.ipynb': [('markdown', '# Stored\n\n> Committed with outputs.'),
+                                      ('code', 'print("fresh" + "-run")', 'stored-output 7\n'),
+                                      ('code', 'raise RuntimeError("a committed notebook must not be re-run")', 'was fine\n')],
     }
     for rel, cells in {**notebooks, **(extra or {})}.items():
         (nbs / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +148,21 @@ def test_capskip_docs_executes_notebooks_and_checks_the_site(tmp_path, monkeypat
     assert 'data-qualname="total"' in maths                       # show_doc entry added for the export
     assert 'href="maths.html"' in (site / 'index.html').read_text(encoding='utf-8')
     assert '42' in (site / 'tutorials' / 'walk.html').read_text(encoding='utf-8')
+    stored = (site / 'tutorials' / 'stored.html').read_text(encoding='utf-8')
+    assert 'stored-output 7' in stored and 'was fine' in stored       # committed outputs rendered as they are
+    assert 'fresh-run' not in stored and 'Traceback' not in stored    # ... and the notebook was not executed
+    assert '(4 notebooks processed, 3 of them executed' in out
     assert (site / '.capskip-docs').exists() and (site / '_assets' / 'mathjax').exists()
+
+
+def test_execute_and_no_execute_override_stored_outputs(tmp_path, capsys):
+    root = _project(tmp_path)
+    with pytest.raises(DocsBuildError, match=r'02_stored\.ipynb(?s:.*)must not be re-run'):
+        build_site(root, out=tmp_path / 'site', execute=True, progress=False)
+    report = build_site(root, out=tmp_path / 'site', execute=False, progress=False)
+    assert report.executed == 0 and report.processed == 4
+    maths = (tmp_path / 'site' / 'maths.html').read_text(encoding='utf-8')
+    assert 'data-qualname="total"' in maths and 'total is 6.5' not in maths   # API entries only, no outputs
 
 
 def test_a_failing_notebook_is_named(tmp_path):

@@ -1,11 +1,19 @@
-"Engine interface, eager modes (dense, masked, reforward), the loss gradient and the row-independence probe."
+"Engine interface, eager modes (dense, masked, reforward), the loss gradient, the executor registry and the row-independence probe."
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from capskip.engine import Engine, RowDependenceError, ce_grad_logits, find_head
-from capskip.probe import probe_modules, row_confined
+import capskip.engine
+from capskip.core import ce_residuals
+from capskip.engine import EXECUTORS, MODES, Engine, RowDependenceError, ce_grad_logits, find_head
+from capskip.engine.check import autograd_grads, grad_errors, model_grads
+from capskip.engine.executors import Dense, Masked, Reforward
+from capskip.engine.probe import probe_modules, row_confined
+from capskip.engine.reuse import Reuse
 
 
 def tiny_cnn(num_classes: int = 5, p: float = 0.0, seed: int = 0) -> nn.Module:
@@ -37,24 +45,11 @@ def batch(B: int = 8, C: int = 5, seed: int = 0):
     return torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, C, (B,), generator=g)
 
 
-def max_rel_err(a: dict, b: dict) -> float:
-    return max(((a[n].double() - b[n].double()).norm() / b[n].double().norm().clamp_min(1e-30)).item() for n in b)
-
-
-def autograd_reference(model, x, y, w=None, ls=0.0, seed=1):
-    "Plain autograd of (1/B) Σ w_i CE(z_i, y_i)."
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    losses = F.cross_entropy(model(x), y, reduction='none', label_smoothing=ls)
-    ((losses if w is None else losses * w).sum() / x.shape[0]).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def engine_grads(engine, x, y, w=None, ls=0.0, seed=1):
     engine.model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     kept = engine.loss_backward(engine.forward(x), y, w, label_smoothing=ls)
-    return kept, {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    return kept, model_grads(engine.model)
 
 
 def test_ce_grad_logits_matches_autograd_float64():
@@ -76,11 +71,11 @@ def test_eager_modes_match_autograd(mode):
     model = tiny_cnn()
     x, y = batch()
     w = torch.rand(8, generator=torch.Generator().manual_seed(1)) * (torch.arange(8) % 3 != 0)
-    ref = autograd_reference(model, x, y, w, ls=0.1)
+    ref = autograd_grads(model, x, y, w, label_smoothing=0.1)
     engine = Engine(model, mode)
     kept, got = engine_grads(engine, x, y, w, ls=0.1)
     assert kept == int((w > 0).sum()) == 5
-    assert max_rel_err(got, ref) <= 1e-5
+    assert grad_errors(got, ref)[0] <= 1e-5
 
 
 def test_features_are_the_head_input_from_the_same_forward():
@@ -99,12 +94,12 @@ def test_k0_leaves_zero_gradients_and_backward_accumulates():
     engine = Engine(model, 'reforward')
     kept, zero = engine_grads(engine, x, y, torch.zeros(8))
     assert kept == 0 and all(float(g.abs().max()) == 0.0 for g in zero.values())
-    ref = autograd_reference(model, x, y)
+    ref = autograd_grads(model, x, y)
     model.zero_grad(set_to_none=True)
     for _ in range(2):                                        # two backward calls add up in .grad
         engine.loss_backward(engine.forward(x), y)
-    got = {n: p.grad.clone() / 2 for n, p in model.named_parameters()}
-    assert max_rel_err(got, ref) <= 1e-5
+    got = {n: g / 2 for n, g in model_grads(model).items()}
+    assert grad_errors(got, ref)[0] <= 1e-5
 
 
 def test_bad_arguments_are_named():
@@ -178,3 +173,58 @@ def test_masked_forward_under_no_grad_is_a_clear_error():
         fwd = engine.forward(x)
     with pytest.raises(RuntimeError, match='without autograd'):
         engine.loss_backward(fwd, y)
+
+
+def test_ce_grad_logits_reuses_given_residuals():
+    g = torch.Generator().manual_seed(4)
+    z, t, w = torch.randn(6, 5, generator=g), torch.randint(0, 5, (6,), generator=g), torch.rand(6, generator=g)
+    r = ce_residuals(z, t, 0.1)
+    assert torch.equal(ce_grad_logits(z, t, w, 3.0, 0.1, residuals=r), ce_grad_logits(z, t, w, 3.0, 0.1))
+    assert torch.equal(ce_grad_logits(z, t, w, 3.0, 0.1, residuals=torch.zeros(6, 5)), torch.zeros(6, 5))  # not recomputed
+    with pytest.raises(ValueError, match='residuals must have the logits shape'):
+        ce_grad_logits(z, t, residuals=r[:3])
+    with pytest.raises(ValueError, match='denominator must be > 0'): ce_grad_logits(z, t, denominator=0)
+
+
+@pytest.mark.parametrize('mode', ['masked', 'reforward', 'reuse'])
+def test_loss_backward_with_the_selector_residuals_is_the_same_step(mode):
+    model = tiny_cnn()
+    x, y = batch()
+    w = (torch.arange(8) % 3 != 0).float()
+    engine = Engine(model, mode)
+    _, plain = engine_grads(engine, x, y, w, ls=0.1)
+    model.zero_grad(set_to_none=True)
+    fwd = engine.forward(x)
+    kept = engine.loss_backward(fwd, y, w, label_smoothing=0.1, residuals=ce_residuals(fwd.logits, y, 0.1))
+    assert kept == 5 and grad_errors(model_grads(model), plain)[0] == 0.0
+
+
+def test_executor_registry_maps_each_mode_to_one_class():
+    assert tuple(EXECUTORS.list()) == MODES
+    assert [EXECUTORS[m] for m in MODES] == [Dense, Masked, Reforward, Reuse]
+    model = tiny_cnn()
+    for mode in MODES:
+        engine = Engine(model, mode)
+        assert type(engine.executor) is EXECUTORS[mode] and engine.executor.mode == mode
+        engine.close()
+    reuse = Engine(model, 'reuse').executor
+    assert type(reuse.fallback) is Reforward and reuse.fallback.capture is reuse.capture and reuse.fallback.probe is reuse.probe
+
+
+def test_engine_modules_import_only_downward():
+    "No engine module imports the package's own __init__ or a higher layer; no import hides inside a function."
+    higher = ('policies', 'runs', 'analysis', 'bench', 'cli', 'testing', '_docs')
+    for path in sorted(Path(capskip.engine.__file__).parent.glob('*.py')):
+        tree = ast.parse(path.read_text())
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)): continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or '']
+            for name in names:
+                parts = name.split('.')
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    assert not (node.level == 1 and name == ''), f'{path.name} imports the engine package itself'
+                    if node.level == 2: assert parts[0] not in higher, f'{path.name} imports capskip.{name}'
+                    if node.level == 1: assert node in top, f'{path.name}: lazy import of .{name}'
+                else:
+                    assert not name.startswith('capskip'), f'{path.name}: absolute import {name}'

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from capskip.infobatch import InfoBatchSampler, epoch_rows, infobatch_prune
+from capskip.policies.infobatch import InfoBatchSampler, epoch_rows, infobatch_prune
 from capskip.policies import CAPSkip, create_policy
 from test_policies_helpers import BATCH, digits, pretrained_mlp, tiny_mlp
 
@@ -140,7 +140,7 @@ def test_step_errors_before_any_work():
 
 def test_dataset_wrapper_in_worker_processes_sees_each_epochs_weights():
     "The weights live in shared memory and are updated in place: persistent DataLoader workers see every epoch's plan."
-    from capskip.infobatch import InfoBatchDataset
+    from capskip.policies.infobatch import InfoBatchDataset
     X, Y = torch.randn(200, 3), torch.randint(0, 2, (200,))
     s = InfoBatchSampler(200, 16, 6, seed=4)
     s.update(torch.arange(200), torch.linspace(0, 1, 200))

@@ -1,10 +1,11 @@
-"""capskip.models: registry forwards, heads, local pretrained loading, BatchNorm -> GroupNorm."""
+"""capskip.runs.models: registry forwards, heads, local pretrained loading, BatchNorm -> GroupNorm."""
 import pytest
 import torch
 from torch import nn
 
-from capskip.models import (batchnorm_to_groupnorm, create_model, final_linear, largest_divisor, list_models,
-                            load_pretrained, read_state_dict)
+from capskip.engine.head import find_head
+from capskip.runs.models import (batchnorm_to_groupnorm, create_model, largest_divisor, list_models, load_pretrained,
+                                 read_state_dict)
 
 CASES = {'resnet18_gn': ({}, (3, 3, 16, 16)), 'deit_s': ({'img_size': 32}, (3, 3, 32, 32)),
          'vit_tiny': ({}, (3, 3, 32, 32)), 'digits_cnn': ({'in_chans': 1}, (3, 1, 16, 16))}
@@ -20,7 +21,7 @@ def test_registry_model_forward_head_and_row_independence(name):
     torch.manual_seed(0)
     model = create_model(name, num_classes=6, **kw)
     last = list(model.modules())[-1]
-    assert type(last) is nn.Linear and last is final_linear(model) and last.out_features == 6
+    assert type(last) is nn.Linear and last is find_head(model) and last.out_features == 6
     nn.init.normal_(last.weight, std=0.1)  # deit_s starts at zero: make the check below informative
     assert _no_batchnorm(model)
     model.train() if name in ('resnet18_gn', 'digits_cnn') else model.eval()  # ViTs: drop path is random in train
@@ -37,6 +38,7 @@ def test_list_models_names_the_contract():
     names = list_models()
     for name in ('resnet18_gn', 'deit_s', 'vit_tiny', 'digits_cnn', 'timm:<name>', 'torchvision:<name>'):
         assert name in names
+    assert list_models('*vit*') == ['vit_tiny'] and list_models('timm:*') == ['timm:<name>']
 
 
 def test_resnet18_gn_structure():
@@ -63,8 +65,8 @@ def test_deit_s_defaults():
 
 
 def _randomise_head(model):
-    nn.init.normal_(final_linear(model).weight)
-    nn.init.normal_(final_linear(model).bias)
+    nn.init.normal_(find_head(model).weight)
+    nn.init.normal_(find_head(model).bias)
     return model
 
 
@@ -125,7 +127,7 @@ def test_load_pretrained_into_resnet(tmp_path):
 
 def test_pass_throughs_and_errors():
     m = create_model('timm:resnet18', num_classes=4)
-    assert m.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 4) and final_linear(m).out_features == 4
+    assert m.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 4) and find_head(m).out_features == 4
     t = create_model('torchvision:mobilenet_v3_small', num_classes=3, dropout=0.0)
     assert t.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3)
     with pytest.raises(ValueError, match='resnet18_gn') as e: create_model('resnet50_gn')

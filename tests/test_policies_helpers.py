@@ -1,78 +1,36 @@
-"Shared fixtures for the policy tests: the digits data, a tiny MLP, reference gradients (no tests here)."
-import copy
-import functools
-
+"Shared settings for the policy tests (no tests here): engine modes, batch size, gradient comparison, the reuse check; models and data come from capskip.testing."
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from capskip.engine import find_head
+from capskip.engine.reuse import cached_traces
+from capskip.testing import autograd_grads, digits_tensors, grad_errors, model_grads, tiny_mlp, trained_digits_mlp
 
 ENGINE_MODES = ['masked', 'reforward', 'reuse']   # 'reuse' is the target mode: it must pass, never skipped
 BATCH = 64
 
+__all__ = ['ENGINE_MODES', 'BATCH', 'autograd_grads', 'model_grads', 'tiny_mlp', 'digits', 'pretrained_mlp',
+           'grad_errors', 'head_names', 'find_head', 'assert_really_reused']
 
-@functools.lru_cache(maxsize=None)
+
 def digits():
-    "Train and test tensors of scikit-learn's 8×8 digits via capskip.data (1257 / 360 rows)."
-    from capskip.data import digits_splits
-    s = digits_splits(img_size=8, seed=0)
-    xtr, ytr, _ = s.train.fetch(torch.arange(len(s.train)))
-    xte, yte, _ = s.test.fetch(torch.arange(len(s.test)))
-    return xtr, ytr, xte, yte
-
-
-def tiny_mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 10))
-
-
-@functools.lru_cache(maxsize=None)
-def _pretrained_state(steps: int = 150):
-    X, Y, _, _ = digits()
-    model = tiny_mlp(0)
-    opt = torch.optim.Adam(model.parameters(), 1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        idx = torch.randint(0, len(Y), (BATCH,), generator=g)
-        F.cross_entropy(model(X[idx]), Y[idx]).backward(); opt.step(); opt.zero_grad()
-    return copy.deepcopy(model.state_dict())
+    "Train and test tensors of the embedded 8×8 digits (1257 / 360 rows), cached by capskip.testing."
+    return digits_tensors(8, 0)
 
 
 def pretrained_mlp() -> nn.Module:
-    "A tiny MLP trained for 150 Adam steps (most rows classified correctly, so CAPSkip has candidates)."
-    model = tiny_mlp(0)
-    model.load_state_dict(_pretrained_state())
-    return model
+    "capskip.testing's tiny MLP after 150 Adam steps on the digits (most rows classified correctly, so CAPSkip has candidates)."
+    return trained_digits_mlp(150, 0)
 
 
-def grads(model: nn.Module) -> list[torch.Tensor]:
-    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-
-
-def reference_grads(model: nn.Module, x, y, row_weights, label_smoothing: float = 0.0, denominator=None):
-    "Plain autograd of (1/B) Σ w_i CE(z_i, y_i) on a copy of `model`."
-    ref = copy.deepcopy(model)
-    ref.zero_grad(set_to_none=True)
-    losses = F.cross_entropy(ref(x), y, reduction='none', label_smoothing=label_smoothing)
-    (losses * row_weights.float()).sum().div(len(y) if denominator is None else denominator).backward()
-    return grads(ref)
-
-
-def max_rel_err(got, ref) -> float:
-    "Max over parameters of ‖got − ref‖ / ‖ref‖ (absolute where ‖ref‖ = 0)."
-    out = 0.0
-    for a, b in zip(got, ref):
-        den = b.norm().item()
-        out = max(out, (a - b).norm().item() / (den if den > 0 else 1.0))
-    return out
-
-
-def head_of(model: nn.Module) -> nn.Linear:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+def head_names(model: nn.Module) -> set[str]:
+    "Names of the final layer's parameters (the head the engine finds)."
+    head = {id(p) for p in find_head(model).parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in head}
 
 
 def assert_really_reused(model: nn.Module) -> None:
     "In mode='reuse', the engine traced the model and did not fall back to re-forwarding or full-batch backward."
-    from capskip import _aot
-    entries = [e for v in _aot._TRACES.get(model, {}).values() for e in v]
+    entries = cached_traces(model)
     assert entries, 'no reuse trace was made for this model'
     assert all(not isinstance(e, str) and e.fallback_reason is None for e in entries), entries

@@ -3,9 +3,11 @@ import json
 
 import pytest
 
-from capskip.recipes import (RECIPES, TrainConfig, apply_overrides, get_recipe, list_recipes, main, parse_set,
-                             resolve_config)
-from capskip.schedules import scaled_lr
+from capskip.cli.runs import recipes_main
+from capskip.core import DEFAULT_BUDGET
+from capskip.runs.build import policy_kwargs
+from capskip.runs.recipes import RECIPES, TrainConfig, apply_overrides, get_recipe, list_recipes, parse_set, resolve_config
+from capskip.runs.schedules import scaled_lr
 
 
 def test_paper_recipes_present():
@@ -19,7 +21,7 @@ def test_paper_recipe_fields():
     assert (r.model, r.data, r.label_smoothing, r.weight_decay, r.schedule, r.clip_norm) == \
         ('resnet18_gn', 'cifar100', 0.1, 5e-4, 'onecycle', 0.0)
     assert scaled_lr(r.base_lr, r.batch_size, r.base_batch) == pytest.approx(0.1)
-    assert r.policy_kw['budget'] == 0.09
+    assert r.policy_kw['budget'] == DEFAULT_BUDGET == 0.09          # paper §4
     ib = get_recipe('resnet18gn_cifar100_ib')
     assert scaled_lr(ib.base_lr, ib.batch_size, ib.base_batch) == pytest.approx(0.05) and ib.clip_norm == 5.0
     d = get_recipe('deit_s_cifar100_finetune')
@@ -32,7 +34,6 @@ def test_paper_recipe_fields():
 
 @pytest.mark.parametrize('name', list(RECIPES))
 def test_every_recipe_resolves_and_its_policy_options_exist(name):
-    from capskip.train import policy_kwargs
     cfg = resolve_config(name)
     assert isinstance(cfg, TrainConfig) and cfg.recipe == name
     json.dumps(cfg.to_dict())                                  # JSON-ready for config.json
@@ -46,7 +47,7 @@ def test_overrides_are_typed_and_nested():
     assert (cfg.epochs, cfg.base_lr, cfg.policy_kw, cfg.amp, cfg.model_kw, cfg.pretrained, cfg.nesterov) == \
         (3, 1.0, {'budget': 0.5}, 'bf16', {'width': 8}, None, True)
     assert type(cfg.base_lr) is float
-    assert get_recipe('digits').policy_kw == {'budget': 0.09}     # registry untouched
+    assert get_recipe('digits').policy_kw == {'budget': DEFAULT_BUDGET}     # registry untouched
 
 
 @pytest.mark.parametrize('overrides, message', [
@@ -73,11 +74,11 @@ def test_unknown_recipe_suggests():
 
 def test_recipes_cli_lists_recipes_and_arms(capsys):
     from capskip.policies import list_policies
-    assert main([]) == 0
+    assert recipes_main([]) == 0
     out = capsys.readouterr().out
     for name in RECIPES: assert name in out
     for arm in list_policies(): assert arm in out
-    assert main(['--show', 'deit_s_cifar100_finetune']) == 0
+    assert recipes_main(['--show', 'deit_s_cifar100_finetune']) == 0
     assert json.loads(capsys.readouterr().out)['time_matched_epochs'] == 59
     with pytest.raises(SystemExit):
-        main(['--show', 'nope'])
+        recipes_main(['--show', 'nope'])

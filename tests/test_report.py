@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from capskip.report import build_report, main, report_markdown
-from capskip.results import load_runs, read_run
-from capskip.tables import check_bench_rows
+from capskip.analysis.report import build_report, report_markdown
+from capskip.analysis.results import load_runs, read_run
+from capskip.analysis.tables import check_bench_rows
+from capskip.cli.runs import report_main, train_main
 
 
 def write_run(root, recipe, arm, seed, epochs, time_s, acc, *, finish=True, kept=1.0, budget=0.09, final_extra=None,
@@ -57,7 +58,7 @@ def folder(tmp_path):
 
 def test_equal_epoch_numbers_match_scipy(folder, tmp_path):
     root, times, accs = folder
-    assert main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
+    assert report_main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
     rows = {int(r['epochs']): r for r in read_csv(tmp_path / 'rep' / 'r__equal_epochs.csv') if r['arm'] == 'capskip'}
     for e in (4, 8):
         diffs = 100 * (np.array(accs['capskip'][e]) - np.array(accs['dense'][e]))
@@ -112,7 +113,7 @@ def test_partial_unpaired_and_inconsistent_runs_are_listed(folder, tmp_path):
     write_run(root, 'r', 'random_rescale', 2, 8, 60.0, 0.75, final_extra={'seed': 7})
     bad = write_run(root, 'r', 'random_rescale', 3, 8, 60.0, 0.75)
     (bad / 'final.json').write_text('{"recipe": "r", ')                                  # truncated JSON
-    assert main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
+    assert report_main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
     missing = read_csv(tmp_path / 'rep' / 'missing.csv')
     problems = {(m['where'], m['problem']) for m in missing}
     assert ('r/dense/seed5/ep8', 'partial: no final.json (8 of 8 epochs logged)') in problems
@@ -151,7 +152,7 @@ def test_budget_sweep_and_bench_figures(tmp_path):
               'backward_ms': 2.0, 'optimizer_ms': 0.5, 'ratio': 0.74, 'ideal': 2 / 3, 'overhead': 0.073, 'peak_mem_ratio': 1.1}]
     (tmp_path / 'bench.json').write_text(json.dumps(bench))
     out = tmp_path / 'rep'
-    assert main([str(root), '--out', str(out), '--bench-json', str(tmp_path / 'bench.json')]) == 0
+    assert report_main([str(root), '--out', str(out), '--bench-json', str(tmp_path / 'bench.json')]) == 0
     kept = read_csv(out / 'kept_vs_budget.csv')
     assert [(float(r['budget']), float(r['kept_fraction'])) for r in kept] == [(0.05, 0.8), (0.09, 0.7), (0.4, 0.5), (1.0, 0.48)]
     assert [r['mode'] for r in read_csv(out / 'step_phases.csv')] == ['dense', 'reuse']
@@ -161,14 +162,14 @@ def test_budget_sweep_and_bench_figures(tmp_path):
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
-    assert main([str(tmp_path / 'missing')]) == 2
+    assert report_main([str(tmp_path / 'missing')]) == 2
     assert 'does not exist' in capsys.readouterr().err
     (tmp_path / 'empty').mkdir()
-    assert main([str(tmp_path / 'empty')]) == 2
+    assert report_main([str(tmp_path / 'empty')]) == 2
     assert 'no run folders' in capsys.readouterr().err
     write_run(tmp_path / 'runs', 'r', 'dense', 1, 2, 10.0, 0.5)
     (tmp_path / 'bench.json').write_text(json.dumps([{'model': 'm', 'mode': 'dense'}]))
-    assert main([str(tmp_path / 'runs'), '--bench-json', str(tmp_path / 'bench.json')]) == 2
+    assert report_main([str(tmp_path / 'runs'), '--bench-json', str(tmp_path / 'bench.json')]) == 2
     assert "lacks ['forward_ms', 'backward_ms']" in capsys.readouterr().err
     with pytest.raises(ValueError, match='must be a number or null'):
         check_bench_rows([{'model': 'm', 'mode': 'x', 'forward_ms': '2', 'backward_ms': 1}])
@@ -188,7 +189,6 @@ def test_val_metric_and_percent_scale(tmp_path):
 
 
 def test_report_on_a_real_capskip_train_folder(tmp_path):
-    from capskip.train import main as train_main
     out = tmp_path / 'runs'
     for arm in ('dense', 'capskip'):
         for seed in (1, 2):
@@ -198,7 +198,7 @@ def test_report_on_a_real_capskip_train_folder(tmp_path):
     runs = load_runs(out)
     assert sorted((r.arm, r.seed, r.epochs, r.complete) for r in runs) == [
         ('capskip', 1, 1, True), ('capskip', 2, 1, True), ('capskip', 3, 2, False), ('dense', 1, 1, True), ('dense', 2, 1, True)]
-    assert main([str(out), '--out', str(tmp_path / 'rep')]) == 0
+    assert report_main([str(out), '--out', str(tmp_path / 'rep')]) == 0
     eq = read_csv(tmp_path / 'rep' / 'digits__equal_epochs.csv')
     assert [(r['arm'], r['epochs'], r['n']) for r in eq] == [('capskip', '1', '2')]
     finals = {(r.arm, r.seed): r.final for r in runs if r.complete}

@@ -9,48 +9,17 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch._dynamo.backends.common import aot_autograd
 
 from capskip.selector import (Selection, first_violation, last_layer_grad, magnitude_budget, residuals, select,
-                              select_demo_main, select_reference)
+                              select_reference)
+from capskip.testing.oracles import host_reads, per_row_grads, realised_distortion, roundoff_tol, selector_disagreement
+from capskip.testing.oracles import traced_ops as _traced_ops
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------- helpers (float64, materialised)
-def per_row_grads(R, H, weights=None, bias=True):
-    "Weighted per-row last-layer gradients w_i r_i h̃_iᵀ in float64, [B, C, d(+1)]."
-    R, H = R.double(), H.double()
-    Ht = torch.cat([H, torch.ones(len(H), 1, dtype=H.dtype)], 1) if bias else H
-    w = torch.ones(len(R), dtype=R.dtype) if weights is None else weights.double()
-    return w[:, None, None] * R[:, :, None] * Ht[:, None, :]
-
-
-def roundoff_tol(R, H, weights, bias, budget, rows, eps=1e-12):
-    """A generous fp32 round-off bound for comparing ‖D‖² of the prefix `rows` with b²‖G‖² + ε:
-    16u·(2B + C + d + 8)·(b²(Σ_all w‖g‖)² + (Σ_rows w‖g‖)²) + 2ε (the error of b²‖G‖² plus that of the prefix)."""
-    norms = per_row_grads(R, H, weights, bias).flatten(1).norm(dim=1)
-    scale = budget ** 2 * float(norms.sum()) ** 2 + float(norms[rows].sum()) ** 2
-    return (2 * R.shape[0] + R.shape[1] + H.shape[1] + 8) * 16 * 2.0 ** -24 * scale + 2 * eps
-
-
 def disagreement(sel, R, H, correct, budget, weights=None, bias=True, eps=1e-12):
-    """'equal' if `sel` matches the oracle's m and mask; 'boundary' if they differ only where, in float64, the disputed
-    prefix norm is within round-off of the threshold; otherwise the assertion fails."""
-    ref = select_reference(R, H, correct, budget, weights, bias=bias)
-    n = int(ref.n_candidates)
-    assert int(sel.n_candidates) == n
-    if not torch.equal(ref.order[:n], sel.order[:n]):          # a near tie of the key, ordered differently in fp32
-        keys = per_row_grads(R, H, weights, bias).flatten(1).norm(dim=1)[sel.order[:n]]
-        atol = 1e-6 * float(keys.max())            # fp32 keys of rows below ~1e-19 underflow to 0 (as their Gram entries do)
-        assert bool((keys[1:] >= keys[:-1] * (1 - 1e-5) - atol).all()), 'selector order is not sorted by w‖g‖'
-        ref = select_reference(R, H, correct, budget, weights, bias=bias, order=sel.order)
-    m_sel, m_ref = int(sel.m), int(ref.m)
-    if m_sel == m_ref:
-        assert torch.equal(sel.drop, ref.drop)
-        return 'equal'
-    near = lambda k: (abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2)
-                      <= roundoff_tol(R, H, weights, bias, budget, ref.order[:k], eps))
-    disputed = [m_sel] if m_sel > m_ref else [k for k in range(m_sel + 1, m_ref + 1) if ref.prefix_norms[k] <= ref.threshold]
-    assert disputed and all(near(k) for k in disputed), (m_sel, m_ref, disputed)
-    return 'boundary'
+    "The shared oracle comparison (capskip.testing): 'equal', 'boundary' (within fp32 round-off), or AssertionError."
+    return selector_disagreement(sel, R, H, correct, budget, weights, bias, eps)
 
 
 def make_batch(kind, B, C, d, seed, scale, p_correct, weighted):
@@ -113,7 +82,7 @@ def test_variants_match_reference(batch):
             k = max(int(sel.m), int(ref.m)) if rule == 'magnitude' else min(int(sel.m), int(ref.m)) + 1
             keys = per_row_grads(R, H, w, bias).flatten(1).norm(dim=1)[ref.order]
             value = float(keys[:k].sum()) if rule == 'magnitude' else float(ref.prefix_norms[k])
-            tol = roundoff_tol(R, H, w, bias, budget, ref.order[:k])
+            tol = roundoff_tol(R, H, w, budget, ref.order[:k], bias=bias)
             assert abs(value ** 2 - float(ref.threshold) ** 2) <= tol, (rule, int(sel.m), int(ref.m))
 
 
@@ -124,7 +93,7 @@ def test_p1_bound_and_angle_hold_for_the_returned_set(batch):
     sel = select(R, H, correct, budget, w, bias=bias)
     g = per_row_grads(R, H, w, bias)
     G, D = g.sum(0), g[sel.drop].sum(0)
-    slack_sq = roundoff_tol(R, H, w, bias, budget, sel.drop)
+    slack_sq = roundoff_tol(R, H, w, budget, sel.drop, bias=bias)
     assert float(D.norm()) ** 2 <= budget ** 2 * float(G.norm()) ** 2 + slack_sq
     b_eff_sq = budget ** 2 + slack_sq / max(float(G.norm()) ** 2, 1e-300)
     if b_eff_sq < 0.99 and float(G.norm()) > 0:      # the angle bound, with the round-off folded into the budget
@@ -144,7 +113,7 @@ def test_m_mag_le_m_fv_le_m_star(batch):
     if dev[0] > dev[1]:                            # only when prefix m_fv + 1 sits on the budget to round-off
         ref = select_reference(R, H, correct, budget, w, bias=bias, order=select(R, H, correct, budget, w, bias=bias).order)
         k = dev[1] + 1
-        assert abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2) <= roundoff_tol(R, H, w, bias, budget, ref.order[:k])
+        assert abs(float(ref.prefix_norms[k]) ** 2 - float(ref.threshold) ** 2) <= roundoff_tol(R, H, w, budget, ref.order[:k], bias=bias)
 
 
 # ---------------------------------------------------------------- the counterexamples, as families
@@ -218,7 +187,9 @@ def test_residuals_are_the_cross_entropy_gradient(B, C, eps, scale, seed):
 
 def test_residuals_bad_input():
     z, t = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(TypeError, match='integer tensor of class labels'): residuals(z, t.float())
+    with pytest.raises(ValueError, match=r'must be \[B, C\] = \[4, 3\]'): residuals(z, t.float())
+    with pytest.raises(TypeError, match='integer tensor of class labels'): residuals(z, t.bool())
+    with pytest.raises(ValueError, match='each row summing to 1'): residuals(z, torch.ones(4, 3))
     with pytest.raises(TypeError, match='floating-point'): residuals(z.long(), t)
     with pytest.raises(ValueError, match=r'must lie in \[0, 3\)'): residuals(z, t + 3)
     with pytest.raises(ValueError, match=r'targets must be \[B\]'): residuals(z, t[:2])
@@ -227,23 +198,23 @@ def test_residuals_bad_input():
     assert residuals(z.bfloat16(), t).dtype == torch.float32
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 16), st.integers(2, 12), st.sampled_from([0.0, 0.1]), st.integers(0, 10_000))
+def test_soft_target_residuals_are_the_soft_cross_entropy_gradient(B, C, eps, seed):
+    "Mixup/cutmix targets [B, C]: softmax(z) − y equals autograd of the soft cross-entropy (float64)."
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, C, generator=g, dtype=torch.float64, requires_grad=True)
+    lam = float(torch.rand(1, generator=g))
+    a, b = torch.randint(0, C, (B,), generator=g), torch.randint(0, C, (B,), generator=g)
+    y = lam * F.one_hot(a, C).double() + (1 - lam) * F.one_hot(b, C).double()
+    grad, = torch.autograd.grad(F.cross_entropy(z, y, reduction='sum', label_smoothing=eps), z)
+    assert torch.allclose(residuals(z.detach(), y.float(), eps).double(), grad, atol=1e-6)
+
+
 # ---------------------------------------------------------------- no host read
-HOST_READ_OPS = {'_local_scalar_dense', 'nonzero', '_assert_scalar', 'sym_size', 'item', 'is_nonzero', 'equal',
-                 'masked_select', 'unique'}
-
-
 def traced_ops(fn, *args):
-    "Compile with fullgraph=True (backend: aot_autograd recording the ATen forward graph, run eagerly) and list its ops."
-    ops = []
-    def record(gm, example_inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')
-        return gm.forward
-    torch._dynamo.reset()
-    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record))(*args)
-    return ops, out
-
-
-def host_reads(ops): return [op for op in ops if op.split('.')[:2][-1] in HOST_READ_OPS]
+    "The ops of `fn`'s fullgraph trace (capskip.testing) and `fn`'s eager output."
+    return _traced_ops(fn, *args), fn(*args)
 
 
 def _batch(B=48, C=10, d=12, seed=0):
@@ -388,16 +359,6 @@ def test_last_layer_grad_matches_autograd(bias):
     else: assert gb is None
 
 
-def test_select_demo_prints_the_selection(capsys):
-    assert select_demo_main(['--steps', '10', '--batch', '64']) == 0
-    out = capsys.readouterr().out
-    for field in ('candidates', 'm*', 'm_fv', 'm_mag', 'distortion', 'kept fraction'):
-        assert field in out
-    dist = float(out.split('distortion ‖D‖/‖G‖')[1].split()[0])
-    check = float(out.split('from materialised grads')[1].split()[0])
-    assert dist <= 0.09 + 1e-6 and abs(dist - check) < 1e-4
-
-
 # ---------------------------------------------------------------- the checks themselves can fail
 def test_disagreement_check_rejects_a_real_mismatch():
     "Shifting m by one row away from any boundary must be caught by the oracle comparison used above."
@@ -437,7 +398,29 @@ def test_same_selection_on_every_device_without_sync(device):
     assert int(sel.m) == int(cpu.m) and torch.equal(sel.drop.cpu(), cpu.drop)
 
 
-def test_select_demo_refuses_a_batch_larger_than_the_test_split(capsys):
-    with pytest.raises(SystemExit) as exc:
-        select_demo_main(['--batch', '999', '--steps', '1'])
-    assert exc.value.code == 2 and '360 rows' in capsys.readouterr().err
+# ---------------------------------------------------------------- the bound in the realised gradient (issue 9)
+def cancelling_pairs(n_pairs, C, d, seed, delta=1e-3, n_other=4, weighted=False):
+    "Candidate pairs (r, −r + δ) sharing a feature h of scale 10^U(−3, 3); fp32 inputs (exactly representable)."
+    g = torch.Generator().manual_seed(seed)
+    scale = lambda: 10 ** float(torch.empty(1).uniform_(-3, 3, generator=g))
+    R, H = [], []
+    for _ in range(n_pairs):
+        r, h = torch.randn(C, generator=g), torch.randn(d, generator=g) * scale()
+        R += [r, -r + delta * r * torch.randn(C, generator=g)]; H += [h, h]
+    for _ in range(n_other): R.append(torch.randn(C, generator=g)); H.append(torch.randn(d, generator=g) * scale())
+    correct = torch.arange(2 * n_pairs + n_other) < 2 * n_pairs
+    w = torch.rand(len(R), generator=g) * 2 if weighted else None
+    return torch.stack(R), torch.stack(H), correct, w
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 24), st.integers(2, 12), st.integers(1, 10), st.integers(0, 10_000),
+       st.sampled_from([1e-4, 1e-3, 1e-2]), st.sampled_from([0.0, 0.01, 0.09, 0.3]), st.booleans())
+def test_realised_distortion_within_budget_under_cancellation(n_pairs, C, d, seed, delta, budget, weighted):
+    "The returned set's ‖D‖/‖G‖, summed from the dropped rows in float64, stays ≤ b(1 + 1e-3); the reported value is it."
+    R, H, A, w = cancelling_pairs(n_pairs, C, d, seed, delta, weighted=weighted)
+    sel = select(R, H, A, budget, w)
+    real = realised_distortion(sel.drop, R, H, w)
+    assert real <= budget * (1 + 1e-3) + 1e-9, (real, budget)
+    assert abs(float(sel.distortion) - real) <= 1e-4 * max(budget, 1e-6) + 1e-6
+    assert disagreement(sel, R, H, A, budget, w) in ('equal', 'boundary')

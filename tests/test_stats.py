@@ -1,4 +1,4 @@
-"""capskip.stats against independent computations: SciPy's t distribution, NumPy running maxima and interpolation."""
+"""capskip.analysis.stats against independent computations: SciPy's t distribution, NumPy running maxima and interpolation."""
 import math
 
 import numpy as np
@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
-from capskip.stats import (Comparison, dense_margin, difference_label, envelope_at, paired_difference, paired_ratio,
-                           ratio_label, regularized_incomplete_beta, running_max_frontier, student_t_cdf,
-                           student_t_quantile, t_interval, time_to_accuracy, time_to_accuracy_detail, tta_ratio)
+from capskip.analysis.stats import (Comparison, dense_margin, difference_label, envelope_at, paired_difference,
+                                    paired_ratio, ratio_label, regularized_incomplete_beta, running_max_frontier,
+                                    student_t_cdf, student_t_quantile, t_interval, time_to_accuracy,
+                                    time_to_accuracy_detail, tta_ratio)
 
 
 @pytest.mark.parametrize('df', [1, 2, 3, 4, 5, 7, 10, 29, 100, 0.5, 2.5, 1e4])

@@ -2,10 +2,11 @@
 the first seed's measured ratio and recorded, failures reported."""
 import pytest
 
-from capskip.runio import read_json, run_dir, write_json
-from capskip.sweep import main, measured_ratio, sweep, sweep_grid, time_matched_epochs
-from capskip.train import train
-from capskip.recipes import resolve_config
+from capskip.cli.runs import sweep_main
+from capskip.runs.recipes import resolve_config
+from capskip.runs.runio import read_json, run_dir, write_json
+from capskip.runs.sweep import measured_ratio, sweep, sweep_grid, time_matched_epochs
+from capskip.runs.train import train
 
 FAST = {'batch_size': 256, 'warmup': False}
 
@@ -35,7 +36,7 @@ def test_sweep_skips_finished_resumes_partial_and_time_matches(tmp_path, capsys)
     dense_t = read_json(run_dir(tmp_path, 'digits', 'dense', 1, 2) / 'final.json')['train_time_s']
     write_json(path, dict(read_json(path), train_time_s=0.4 * dense_t))
     assert measured_ratio(tmp_path, 'digits', 'capskip', 1, 2) == pytest.approx(0.4)
-    assert main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1,2', '--epochs', '2', '--out', str(tmp_path),
+    assert sweep_main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1,2', '--epochs', '2', '--out', str(tmp_path),
                  '--time-matched-dense', '--quiet', '--set', 'batch_size=256', '--set', 'warmup=false']) == 0
     out = capsys.readouterr().out
     assert 'dense at 1 epochs' in out and 'reused' in out
@@ -63,11 +64,11 @@ def test_failures_are_reported_and_the_rest_still_runs(tmp_path, capsys):
     statuses = {r['arm']: r['status'] for r in result.records}
     assert statuses == {'dense': 'done', 'capskip': 'failed'} and result.failed[0]['error']
     with pytest.raises(SystemExit) as exc:
-        main(['--recipe', 'digits', '--arms', 'dense,nope', '--seeds', '1', '--epochs', '1', '--out', str(tmp_path)])
+        sweep_main(['--recipe', 'digits', '--arms', 'dense,nope', '--seeds', '1', '--epochs', '1', '--out', str(tmp_path)])
     assert exc.value.code == 2 and 'unknown arm' in capsys.readouterr().err
 
 
 def test_dry_run_runs_nothing(tmp_path, capsys):
-    assert main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1,2', '--epochs', '3',
+    assert sweep_main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1,2', '--epochs', '3',
                  '--out', str(tmp_path), '--dry-run']) == 0
     assert capsys.readouterr().out.count('would run') == 4 and not (tmp_path / 'digits').exists()

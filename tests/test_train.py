@@ -1,5 +1,6 @@
 """The training runner: results-folder contract, exact resume (in-process stop and a real SIGKILL), reuse of
 finished runs, refusal of mismatched folders, schedule and lr scaling as recorded, clear errors."""
+import importlib.metadata
 import json
 import os
 import signal
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from capskip.recipes import resolve_config
-from capskip.runio import load_checkpoint, read_json, read_jsonl, run_dir
-from capskip.schedules import lr_at, scaled_lr, step_progress
-from capskip.train import build_splits, main, train
+from capskip.cli.runs import train_main
+from capskip.runs.build import build_model, build_splits, evaluate
+from capskip.runs.recipes import resolve_config
+from capskip.runs.runio import load_checkpoint, read_json, read_jsonl, run_dir
+from capskip.runs.schedules import lr_at, scaled_lr, step_progress
+from capskip.runs.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ('train_time_s', 'epoch_time_s', 'eval_time_s', 'warmup_time_s')
@@ -63,16 +66,18 @@ def test_results_folder_contract(reference):
     config = read_json(folder / 'config.json')
     assert config['arm'] == 'capskip' and config['seed'] == 1 and config['epochs'] == 3 and config['batch_size'] == 256
     meta = config['meta']
-    assert meta['versions']['torch'] == torch.__version__.split('+')[0] or meta['versions']['torch']
+    # the torch that ran: its installed distribution's version, the running module's up to the local build tag
+    assert meta['versions']['torch'] == importlib.metadata.version('torch')
+    assert meta['versions']['torch'].split('+')[0] == torch.__version__.split('+')[0]
     assert meta['seed'] == 1 and meta['device'] == 'cpu' and 'start_time' in meta and 'git_commit' in meta
 
 
 @pytest.mark.parametrize('arm', ['capskip', 'dense'])
 def test_train_accuracy_matches_a_recount(arm, tmp_path):
     "With lr 0 the model never changes, so the logged train accuracy must equal a recount of the initial model's."
-    from capskip.train import build_model, evaluate
     cfg = small(arm, epochs=1, base_lr=0.0, warmup=False)
-    row = read_jsonl(Path(run_dir(tmp_path, 'digits', arm, 1, 1)) / 'results.jsonl') if train(cfg, tmp_path, progress='none') else None
+    train(cfg, tmp_path, progress='none')
+    row = read_jsonl(run_dir(tmp_path, 'digits', arm, 1, 1) / 'results.jsonl')
     splits = build_splits(cfg)
     model = build_model(cfg, splits.num_classes, splits.in_chans)
     assert row[0]['train_acc'] == pytest.approx(evaluate(model, splits.train, 512, torch.device('cpu')), abs=1e-12)
@@ -120,11 +125,11 @@ def test_resume_is_exact_for_stateful_policies(arm, tmp_path):
 
 
 def test_killed_process_resumes_to_the_same_state(reference, tmp_path):
-    "SIGKILL a real `python -m capskip.train` after its first checkpoint, then --resume."
+    "SIGKILL a real `python -m capskip train` after its first checkpoint, then --resume."
     out, cfg, _ = reference
     folder = run_dir(tmp_path, 'digits', 'capskip', 1, 3)
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # same reduction order as this process
-    cmd = [sys.executable, '-m', 'capskip.train', '--recipe', 'digits', '--arm', 'capskip', '--seed', '1',
+    cmd = [sys.executable, '-m', 'capskip', 'train', '--recipe', 'digits', '--arm', 'capskip', '--seed', '1',
            '--epochs', '3', '--batch-size', '256', '--out', str(tmp_path), '--quiet']
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -134,7 +139,7 @@ def test_killed_process_resumes_to_the_same_state(reference, tmp_path):
     proc.wait()
     assert (folder / 'checkpoint.pt').exists()
     killed_at = load_checkpoint(folder / 'checkpoint.pt')['epoch']
-    assert main(cmd[3:] + ['--resume']) == 0
+    assert train_main(cmd[4:] + ['--resume']) == 0
     a, b = model_state(out, cfg), model_state(tmp_path, cfg)
     assert all(torch.equal(a[k], b[k]) for k in a), f'killed after epoch {killed_at}'
     assert not list(folder.glob('.*.tmp'))                       # no half-written files left behind
@@ -159,7 +164,7 @@ def test_dense_arm_backpropagates_everything_and_bf16_clipping_smoothing_run(tmp
 
 
 def test_cli_flags_reach_the_saved_config(tmp_path, capsys):
-    assert main(['--recipe', 'digits', '--arm', 'capskip', '--seed', '4', '--epochs', '1', '--budget', '0.3',
+    assert train_main(['--recipe', 'digits', '--arm', 'capskip', '--seed', '4', '--epochs', '1', '--budget', '0.3',
                  '--batch-size', '256', '--set', 'weight_decay=0', '--set', 'eval_every=2', '--out', str(tmp_path),
                  '--quiet']) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -175,7 +180,7 @@ def test_cli_flags_reach_the_saved_config(tmp_path, capsys):
 ])
 def test_bad_cli_input_is_a_clear_error(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(argv + ['--out', str(tmp_path), '--quiet'])
+        train_main(argv + ['--out', str(tmp_path), '--quiet'])
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / 'digits').exists()
 
@@ -193,7 +198,7 @@ def test_missing_cifar_root_names_the_path(tmp_path):
 
 def test_cifar_recipe_on_real_format_files_resumes_exactly_with_augmentation(tmp_path):
     "The CIFAR-100 path (pickled files, augmentation, DataLoader workers) on a tiny fake data set in the real layout."
-    from capskip.data import write_fake_cifar100
+    from capskip.testing.files import write_fake_cifar100
     write_fake_cifar100(tmp_path / 'data', per_class_train=3, per_class_test=1)
     over = {'data_root': str(tmp_path / 'data'), 'model': 'digits_cnn', 'batch_size': 64, 'eval_batch_size': 100,
             'num_workers': 0}
@@ -211,8 +216,7 @@ def test_cifar_recipe_on_real_format_files_resumes_exactly_with_augmentation(tmp
 
 
 def test_pretrained_weights_reach_the_model_and_fine_tuning_refuses_without(tmp_path):
-    from capskip.models import create_model
-    from capskip.build import build_model
+    from capskip.runs.models import create_model
     with pytest.raises(ValueError, match='--pretrained PATH'):
         build_model(resolve_config('deit_s_cifar100_finetune'), 100, 3)
     torch.manual_seed(123)
@@ -227,9 +231,9 @@ def test_pretrained_weights_reach_the_model_and_fine_tuning_refuses_without(tmp_
 
 
 def test_cli_reports_run_errors_without_a_traceback(tmp_path, capsys):
-    assert main(['--recipe', 'resnet18gn_cifar100', '--data-root', str(tmp_path / 'nowhere'), '--out', str(tmp_path)]) == 2
+    assert train_main(['--recipe', 'resnet18gn_cifar100', '--data-root', str(tmp_path / 'nowhere'), '--out', str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert 'nowhere' in err and 'Traceback' not in err
     with pytest.raises(SystemExit):
-        main(['--recipe', 'deit_s_cifar100_finetune', '--out', str(tmp_path)])
+        train_main(['--recipe', 'deit_s_cifar100_finetune', '--out', str(tmp_path)])
     assert '--pretrained PATH' in capsys.readouterr().err
