@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from capskip.bench.step import STEP_PHASES, backward_floor, parse_keeps
+from capskip.bench.step import STEP_PHASES, backward_floor, format_floor, mode_ideal, parse_keeps
 from capskip.cli.tools import bench_main, bench_step_main as main
 
 
@@ -24,8 +24,12 @@ def test_bench_step_table_structure(tmp_path, capsys):
     assert body[0][2] == '1.000' and body[0][5] == '1.000'        # dense is the reference of ratio and memory
     assert float(body[3][3]) == pytest.approx((1 + 2 * 0.5) / 3, abs=1e-3)
     assert float(body[4][3]) == pytest.approx(0.5, abs=1e-3)    # the reference forwards only the kept rows
+    assert float(body[2][3]) == pytest.approx((1 + 3 * 0.5) / 3, abs=1e-3) and body[1][3] == '1.000'   # own ideals
     assert any(l.startswith('k=0.50: eager backward over the kept rows') for l in lines)
+    assert any('reuse gathers' in l and 'GB/s' in l for l in lines)
     rows = json.loads(out_json.read_text())
+    reuse = next(r for r in rows if r['mode'] == 'reuse')
+    assert 0 < reuse['gathered_mib'] <= reuse['saved_mib'] and reuse['bandwidth_gbs'] > 0 and reuse['floor_saved_mib'] > 0
     assert [r['mode'] for r in rows] == ['dense', 'masked', 'reforward', 'reuse', 'kept_only']
     assert all(r['peak_mem'] > 0 and r['forward'] > 0 for r in rows)
     assert all(abs(r['overhead'] - (r['ratio'] - r['ideal'])) < 1e-9 for r in rows)
@@ -40,10 +44,22 @@ def test_bench_step_rejects_bad_keep(capsys):
 
 
 def test_backward_floor_is_the_reference_backward_over_dense():
-    row = lambda mode, k, bwd: {'mode': mode, 'k': k, 'backward': bwd}
-    rows = [row('dense', 1.0, 100.0), row('reuse', 0.35, 42.0), row('kept_only', 0.35, 40.0),
+    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'backward': bwd, 'selector': 1.0, 'gather': 0.5, 'step_ms': 150.0, **kw}
+    acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_ms=11.0)
+    rows = [row('dense', 1.0, 100.0), row('reuse', 0.35, 42.0, **acct), row('kept_only', 0.35, 40.0),
             row('reuse', 0.69, 77.0), row('kept_only', 0.69, 70.0), row('masked', 0.35, 101.0)]
     floor = backward_floor(rows)
     assert [f['k'] for f in floor] == [0.35, 0.69]
     assert floor[0]['floor_share'] == pytest.approx(0.40) and floor[0]['reuse_over_floor'] == pytest.approx(1.05)
     assert floor[1]['floor_share'] == pytest.approx(0.70) and floor[1]['reuse_over_floor'] == pytest.approx(1.10)
+    assert floor[0]['excess_ms'] == pytest.approx(2.0) and floor[0]['fixed_share'] == pytest.approx(1.5 / 150)
+    assert floor[0]['gathered_mib'] == 105.0 and 'gathered_mib' not in floor[1]     # the account travels when measured
+    text = format_floor(floor).splitlines()
+    assert len(text) == 3 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
+    assert 'reuse gathers 105.0 MiB per step' in text[1] and 'takes 11.0 ms' in text[1]
+
+
+def test_each_mode_has_its_own_ideal():
+    assert mode_ideal('reuse', 0.35) == pytest.approx((1 + 2 * 0.35) / 3)
+    assert mode_ideal('reforward', 0.35) == pytest.approx((1 + 3 * 0.35) / 3)
+    assert mode_ideal('masked', 0.35) == 1.0 and mode_ideal('kept_only', 0.35) == 0.35

@@ -1,6 +1,7 @@
 """Data-parallel runs on CPU with gloo: the all-reduced gradient equals a single-process reference over the same kept
-rows with the global-batch denominator; InfoBatch state merges so that plans agree on every process; and
-`torchrun -m capskip train --ddp` runs end to end."""
+rows with the global-batch denominator; InfoBatch state merges so that plans agree on every process;
+`torchrun -m capskip train --ddp` runs end to end; and a run that diverges on one process stops all of them together."""
+import json
 import os
 import shutil
 import socket
@@ -133,3 +134,33 @@ def test_torchrun_train_end_to_end(tmp_path):
     n_train = 1257
     assert rows[0]['rows_forwarded'] >= n_train and rows[0]['rows_forwarded'] <= n_train + 1   # padding to 2 ranks
     assert 0 < rows[0]['rows_backprop'] <= rows[0]['rows_forwarded'] and final['test_acc'] is not None
+
+
+DIVERGING = textwrap.dedent('''
+    import json, sys
+    import capskip.checks
+    from capskip.runs.distributed import init_distributed
+    from capskip.runs.recipes import resolve_config
+    from capskip.runs.train import train
+
+    dist = init_distributed('cpu')
+    if dist.rank == 0:   # as on CUDA: no value checks, NaN flows on; rank 1 keeps the CPU checks and raises at the first NaN
+        capskip.checks.values_checked = lambda *args: False
+    cfg = resolve_config('digits', {'base_lr': 1e6, 'warmup': False}, arm='dense', seed=1, epochs=2, batch_size=128,
+                         device='cpu')
+    final = train(cfg, sys.argv[1], progress='none', dist=dist)
+    json.dump(final, open(f'{sys.argv[1]}/rank{dist.rank}.json', 'w'))
+    dist.close()
+''')
+
+
+def test_a_diverged_data_parallel_run_stops_every_process_together(tmp_path):
+    "One process raises at the NaN, the other only sees it at the epoch's end: neither waits forever, both agree."
+    script = tmp_path / 'diverge.py'
+    script.write_text(DIVERGING)
+    launch(script, [str(tmp_path)], timeout=150)
+    finals = [json.loads((tmp_path / f'rank{r}.json').read_text()) for r in range(2)]
+    same = [{k: v for k, v in f.items() if k != 'train_time_s'} for f in finals]   # each process times its own loop
+    assert same[0] == same[1] and finals[0]['status'] == 'diverged' and finals[0]['diverged']['epoch'] == 1
+    from capskip.runs.runio import read_json, run_dir
+    assert read_json(run_dir(tmp_path, 'digits', 'dense', 1, 2) / 'final.json') == finals[0]   # process 0 writes

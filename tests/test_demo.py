@@ -11,7 +11,9 @@ from capskip.runs.runio import read_json, run_dir
 
 
 def test_demo_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
-    argv = ['--seeds', '2', '--epochs', '1', '--recipe', 'digits', '--out', str(tmp_path), '--set', 'batch_size=256']
+    record = tmp_path / 'demo_record.json'
+    argv = ['--seeds', '2', '--epochs', '1', '--recipe', 'digits', '--out', str(tmp_path), '--set', 'batch_size=256',
+            '--record', str(record)]
     assert demo_main(argv) == 0
     out = capsys.readouterr().out
     lines = {l.split()[0]: l for l in out.splitlines() if l.split() and l.split()[0] in ('dense', 'capskip')}
@@ -26,6 +28,15 @@ def test_demo_cli_prints_the_table_and_writes_the_plot(tmp_path, capsys):
         lo, hi = sps.t.interval(0.95, len(diffs) - 1, loc=diffs.mean(), scale=sps.sem(diffs))
     label = 'better' if lo > 0 else 'worse' if hi < 0 else 'unresolved'
     assert f'{diffs.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] {label}' in lines['capskip']
+    # each seed's two runs back to back, in alternating order: dense, capskip for seed 1; capskip, dense for seed 2
+    start = lambda arm, s: read_json(run_dir(tmp_path, 'digits', arm, s, 1) / 'config.json')['meta']['start_time']
+    assert start('dense', 1) <= start('capskip', 1) <= start('capskip', 2) <= start('dense', 2)
+    assert 'alternating order' in out and 'machine:' in out and 'load average' in out
+    rec = read_json(record)                    # the recorded run: command, machine, conditions, the table as printed
+    assert rec['command'].startswith('capskip demo --seeds 2') and '--record' not in rec['command']
+    assert rec['machine'] and rec['table'] in out and rec['load_average']['cores'] >= 1
+    assert '| capskip |' in rec['markdown'] and rec['machine'] in rec['markdown']
+    assert [s['arm'] for s in rec['summaries']] == ['dense', 'capskip'] and rec['order'] == {'1': ['dense', 'capskip'], '2': ['capskip', 'dense']}
     pngs = list(tmp_path.glob('*.png'))
     assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     # the table's ratio is the geometric mean of the per-seed ratios in the run folders

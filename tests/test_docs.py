@@ -1,35 +1,53 @@
 """The docs site: `capskip docs` builds it offline from nbs/, and headless Chromium finds every page working.
 
 One session fixture builds the real site from nbs/ with stored outputs (`--no-execute`: the suite already runs every
-notebook through nbdev_test) and loads every page in Debian's Chromium; a small scratch project checks the default
-build (`capskip docs --check`: a notebook stored without outputs is executed — outputs, plots, skipped test flags —
-and one committed with outputs is rendered as stored) and the error path. Chromium missing is a failure.
+notebook through nbdev_test) and loads every page in a local Chrome/Chromium (`find_chromium`); a small scratch
+project checks the default build (`capskip docs --check`: a notebook stored without outputs is executed — outputs,
+plots, skipped test flags — and one committed with outputs is rendered as stored) and the error path.
+
+No browser is a failure with one line saying what to do, never a silent skip; only CAPSKIP_SKIP_BROWSER_CHECK=1
+skips the browser tests, and then a warning in pytest's summary says so. The browser lookup and `.ci/system-deps`
+(find a browser, install Debian's only where apt and root exist, otherwise say what to do) are tested here too.
 """
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
+import capskip._docs.check as docs_check
 from capskip._docs.build import DocsBuildError, build_site, find_pages, read_settings, site_url
-from capskip._docs.check import check_site, find_chromium, public_api, site_pages
+from capskip._docs.check import CHROMIUM_ENV, NO_BROWSER, SKIP_BROWSER_ENV, check_site, find_chromium, public_api, site_pages
 from capskip.cli.tools import docs_main as main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='session')
+def browser():
+    "The browser for the checks; fails (not skips) with what to do when there is none, unless the user opted out."
+    if os.environ.get(SKIP_BROWSER_ENV) == '1':
+        why = f'{SKIP_BROWSER_ENV}=1: the docs BROWSER CHECK WAS SKIPPED (not run, not passed)'
+        warnings.warn(why, UserWarning)
+        pytest.skip(why)
+    return find_chromium()
+
+
+@pytest.fixture(scope='session')
 def built(tmp_path_factory):
-    find_chromium()  # fails (not skips) with the install command when Chromium is missing
     tmp = tmp_path_factory.mktemp('docs')
     report = build_site(ROOT, out=tmp / 'site', work=tmp / 'work', execute=False, progress=False)
     return report
 
 
 @pytest.fixture(scope='session')
-def seen(built):
-    return check_site(built.out)
+def seen(built, browser):
+    return check_site(built.out, browser)
 
 
 def test_every_notebook_has_a_page(built):
@@ -131,7 +149,7 @@ def _project(tmp: Path, extra: dict | None = None) -> Path:
     return tmp
 
 
-def test_capskip_docs_executes_notebooks_and_checks_the_site(tmp_path, monkeypatch, capsys):
+def test_capskip_docs_executes_notebooks_and_checks_the_site(tmp_path, monkeypatch, capsys, browser):
     root = _project(tmp_path)
     monkeypatch.chdir(root / 'nbs')
     assert main(['--check', '--search', 'total']) == 0, capsys.readouterr()
@@ -175,3 +193,84 @@ def test_a_failing_notebook_is_named(tmp_path):
 def test_missing_chromium_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match='apt-get install'):
         find_chromium('/nonexistent/chromium')
+
+
+def _fake_browser(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / name
+    exe.write_text('#!/bin/sh\nexit 0\n'); exe.chmod(0o755)
+    return exe
+
+
+def test_browser_lookup_order(tmp_path, monkeypatch):
+    "Explicit path, then $CAPSKIP_CHROMIUM, then the usual paths, then PATH; nothing found is one line saying what to do."
+    usual, on_path = _fake_browser(tmp_path / 'opt', 'chrome'), _fake_browser(tmp_path / 'bin', 'google-chrome')
+    monkeypatch.setattr(docs_check, 'CHROMIUM_PATHS', (str(tmp_path / 'missing'), str(usual)))
+    env = {'PATH': str(tmp_path / 'bin')}
+    assert find_chromium(environ=env) == str(usual)
+    assert find_chromium(environ={**env, CHROMIUM_ENV: str(on_path)}) == str(on_path)
+    assert find_chromium(str(usual), environ={**env, CHROMIUM_ENV: str(on_path)}) == str(usual)
+    monkeypatch.setattr(docs_check, 'CHROMIUM_PATHS', ())
+    assert find_chromium(environ=env) == str(on_path)               # a laptop or cluster node: Chrome on PATH
+    with pytest.raises(FileNotFoundError) as exc:
+        find_chromium(environ={'PATH': str(tmp_path / 'empty')})
+    assert str(exc.value) == NO_BROWSER and '\n' not in NO_BROWSER
+    assert CHROMIUM_ENV in NO_BROWSER and SKIP_BROWSER_ENV in NO_BROWSER
+    with pytest.raises(FileNotFoundError, match=r'\$CAPSKIP_CHROMIUM'):   # a wrong explicit choice is not overridden
+        find_chromium(environ={**env, CHROMIUM_ENV: str(tmp_path / 'typo')})
+
+
+def test_docs_check_without_a_browser_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(docs_check, 'find_chromium', lambda path=None: (_ for _ in ()).throw(FileNotFoundError(NO_BROWSER)))
+    monkeypatch.setattr('capskip.cli.tools.check_site', lambda site, **kw: docs_check.check_site(site, **kw))
+    (tmp_path / 'site').mkdir(); (tmp_path / 'site' / 'index.html').write_text('<html></html>')
+    monkeypatch.setattr('capskip.cli.tools.build_site', lambda **kw: type('R', (), dict(
+        out=tmp_path / 'site', warnings=[], pages=['index'], seconds=0.0, processed=0, executed=0, cached=0))())
+    assert main(['--check']) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f'capskip docs: {NO_BROWSER}' and 'Traceback' not in err
+
+
+def _hide_browsers() -> str:
+    "Shell commands hiding every browser on the lookup's absolute paths inside a private mount namespace."
+    hide = [p for p in docs_check.CHROMIUM_PATHS if os.path.exists(p)]
+    return ' && '.join(f'mount --bind /dev/null {p!r}' for p in hide) or 'true'
+
+
+@pytest.mark.parametrize('case', ['root-without-apt', 'apt-without-root'])
+def test_system_deps_without_a_browser_says_what_to_do(case, tmp_path):
+    """Off Debian/root the README's test command must not stop: one line saying what to do, exit 0, apt never tried
+    without root (the browser test then fails with the same line). The browsers on the usual paths are hidden in a
+    private mount namespace and PATH holds only python and `id`; 'apt-without-root' adds a recording apt-get, an `id`
+    answering uid 1000 and a sudo that needs a password."""
+    if sys.platform != 'linux' or os.geteuid() != 0 or not shutil.which('unshare'):
+        pytest.skip('hiding the browsers needs root and unshare (Linux); this machine cannot simulate a browserless one')
+    probe = subprocess.run(['unshare', '-m', 'true'], capture_output=True)
+    if probe.returncode != 0: pytest.skip(f'unshare -m is not permitted here: {probe.stderr.decode().strip()}')
+    fake = tmp_path / 'bin'
+    fake.mkdir()
+    (fake / 'python').symlink_to(sys.executable)
+    (fake / 'id').symlink_to(shutil.which('id'))
+    if case == 'apt-without-root':
+        (fake / 'id').unlink()
+        for name, body in (('id', 'echo 1000'), ('sudo', 'exit 1'), ('apt-get', f'touch {tmp_path}/apt-ran')):
+            (fake / name).write_text(f'#!/bin/sh\n{body}\n'); (fake / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in (CHROMIUM_ENV, SKIP_BROWSER_ENV)}
+    script = f'{_hide_browsers()} && PATH={fake} {shutil.which("bash")} {ROOT}/.ci/system-deps'
+    out = subprocess.run(['unshare', '-m', 'bash', '-c', script], capture_output=True, text=True, env=env, timeout=120)
+    lines = [l for l in (out.stdout + out.stderr).splitlines() if l.strip()]
+    assert out.returncode == 0, out
+    assert lines == [f'system-deps: {NO_BROWSER}'], lines
+    assert not (tmp_path / 'apt-ran').exists()
+
+
+def test_system_deps_finds_the_browser_and_reports_an_opt_out_loudly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in (CHROMIUM_ENV, SKIP_BROWSER_ENV)}
+    env['PATH'] = f'{Path(sys.executable).parent}:{env.get("PATH", "")}'
+    exe = _fake_browser(tmp_path, 'chrome')
+    out = subprocess.run(['bash', str(ROOT / '.ci' / 'system-deps')], capture_output=True, text=True,
+                         env={**env, CHROMIUM_ENV: str(exe)})
+    assert (out.returncode, out.stdout.strip()) == (0, f'system-deps: docs browser check uses {exe}')
+    out = subprocess.run(['bash', str(ROOT / '.ci' / 'system-deps')], capture_output=True, text=True,
+                         env={**env, SKIP_BROWSER_ENV: '1'})
+    assert out.returncode == 0 and 'SKIPPED' in out.stderr

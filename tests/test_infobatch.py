@@ -64,7 +64,11 @@ def test_tiny_final_batch_guard(guard):
     if guard == 'merge': assert sizes == [64] * 4 + [67] and s.plan.info['tiny_batches_merged'] == 1
     if guard == 'drop': assert sizes == [64] * 5 and s.plan.info['rows_dropped_tiny_batch'] == 3
     if guard == 'keep': assert sizes == [64] * 5 + [3]
-    pol = create_policy('infobatch', tiny_mlp(), mode='masked')     # the policy merges by default and counts it
+    pol = create_policy('infobatch', tiny_mlp(), mode='masked')     # the policy keeps it by default, as the paper's runs
+    pol.plan_epoch(0, 4, 64 * 5 + 3, 64)
+    c = pol.counters()
+    assert c['tiny_batches_merged'] == 0 and c['final_batch_rows'] == 3
+    pol = create_policy('infobatch', tiny_mlp(), mode='masked', final_batch='merge')   # our guard, an option
     pol.plan_epoch(0, 4, 64 * 5 + 3, 64)
     assert pol.counters()['tiny_batches_merged'] == 1
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from capskip.cli.runs import recipes_main
 from capskip.core import DEFAULT_BUDGET
@@ -78,7 +79,92 @@ def test_recipes_cli_lists_recipes_and_arms(capsys):
     out = capsys.readouterr().out
     for name in RECIPES: assert name in out
     for arm in list_policies(): assert arm in out
-    assert recipes_main(['--show', 'deit_s_cifar100_finetune']) == 0
+    assert recipes_main(['--show', 'deit_s_cifar100_finetune', '--json']) == 0
     assert json.loads(capsys.readouterr().out)['time_matched_epochs'] == 59
     with pytest.raises(SystemExit):
         recipes_main(['--show', 'nope'])
+
+
+# --- sources of every recipe value (issue 12) ---
+
+@pytest.mark.parametrize('name', list(RECIPES))
+def test_every_field_of_every_recipe_has_a_source(name):
+    from capskip.runs.sources import SOURCE_KINDS, flat_fields, recipe_sources
+    rows = recipe_sources(name)
+    assert set(rows) == set(flat_fields(get_recipe(name)))
+    for key, (value, src) in rows.items():
+        assert src.kind in SOURCE_KINDS and src.text.strip(), key
+        if src.kind == 'paper': assert any(m in src.text for m in ('§', 'Table', 'appendix')), (name, key, src.text)
+
+
+def test_recipes_show_prints_each_field_with_its_source(capsys):
+    assert recipes_main(['--show', 'resnet18gn_cifar100']) == 0
+    out = capsys.readouterr().out
+    lines = {l.split()[0]: l for l in out.splitlines() if l and not l.startswith(('-', ' '))}
+    assert 'assumption:' in lines['model_kw.groups'] and 'GroupNorm' in lines['model_kw.groups']
+    assert 'paper: Table 1 caption' in lines['batch_size']
+    assert 'assumption:' in lines['pct_start'] and 'OneCycleLR' in lines['pct_start']
+    assert 'paper:' in lines['weight_decay'] and 'SPEC §8 restores it' in lines['weight_decay']
+    with pytest.raises(SystemExit):
+        recipes_main(['--show', 'resnet18gn_cifar10'])
+
+
+def test_a_field_without_a_source_is_refused(monkeypatch):
+    from capskip.runs import sources
+    table = dict(sources.RECIPE_SOURCES['resnet18gn_cifar100']); del table['weight_decay']
+    monkeypatch.setitem(sources.RECIPE_SOURCES, 'resnet18gn_cifar100', table)
+    with pytest.raises(ValueError, match=r"no source for \['weight_decay'\]"):
+        sources.recipe_sources('resnet18gn_cifar100')
+
+
+def test_the_issue_labels_are_fixed():
+    from capskip.policies import create_policy
+    from capskip.policies.baselines import check_sb_options
+    from capskip.runs.sources import recipe_sources
+    assert get_recipe('resnet18gn_cifar100').model_kw == {'groups': 32}
+    assert recipe_sources('resnet18gn_cifar100')['model_kw.groups'][1].kind == 'assumption'
+    ib = get_recipe('resnet18gn_cifar100_ib')
+    assert ib.policy_kw['final_batch'] == 'keep'                                  # the paper kept its tiny final batches
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    assert create_policy('infobatch', model, mode='masked').final_batch == 'keep'
+    with pytest.raises(ValueError, match='inferred from the 33.9% kept fraction'):
+        check_sb_options(-1.0, 0.0)
+    scratch = get_recipe('resnet18gn_cifar100')
+    assert scratch.cycle_momentum and (scratch.base_momentum, scratch.max_momentum) == (0.85, 0.95)
+    assert 'momentum cycled' in scratch.notes
+    deit = get_recipe('deit_s_cifar100_finetune')
+    assert deit.data_kw['val_fraction'] == 0.0 and deit.eval_every == 4 and not deit.cycle_momentum
+
+
+def test_one_cycle_momentum_matches_torch_and_reaches_the_optimizer():
+    from capskip.runs.schedules import lr_at, make_sgd, momentum_at, set_lr, step_progress
+    cfg = vars(get_recipe('resnet18gn_cifar100'))
+    total, peak = 400, 0.1
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=peak, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=total)     # PyTorch's defaults
+    ours = make_sgd([torch.nn.Parameter(torch.zeros(1))], lr=peak, momentum=0.9)
+    worst = 0.0
+    for s in range(total):
+        prog = step_progress(0, s, total, 1)
+        set_lr(ours, lr_at(cfg, peak, prog), momentum_at(cfg, prog))
+        worst = max(worst, abs(ours.param_groups[0]['momentum'] - opt.param_groups[0]['momentum']))
+        opt.step(); sched.step()
+    assert worst < 2e-3                                    # O(1/T): mid-step vs start-of-step sampling
+    with pytest.raises(ValueError, match="cycle_momentum needs schedule='onecycle'"):
+        resolve_config('deit_s_cifar100_finetune', {'cycle_momentum': True})
+
+
+def test_training_without_a_validation_split_says_so(tmp_path):
+    import warnings
+    from capskip.runs import data
+    from capskip.testing import write_fake_cifar100
+    write_fake_cifar100(tmp_path, per_class_train=3, per_class_test=1)
+    data._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        splits = data.cifar100_splits(tmp_path, val_fraction=0.0)
+    assert (len(splits.train), len(splits.val), splits.has_val, splits.img_size) == (300, 0, False, 32)
+    assert any('model selection on validation is impossible' in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match=r'val_fraction must be in \[0, 1\)'):
+        data.cifar100_splits(tmp_path, val_fraction=-0.1)

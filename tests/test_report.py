@@ -177,15 +177,83 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
         read_run(tmp_path / 'runs' / 'r', tmp_path)
 
 
-def test_val_metric_and_percent_scale(tmp_path):
+def test_val_metric_and_percent_values_are_refused(tmp_path):
+    "Accuracies are fractions: a folder written in percent is listed file by file, never rescaled."
     root = tmp_path / 'runs'
-    for s in (1, 2):   # accuracies already in percent stay as they are
-        write_run(root, 'r', 'dense', s, 2, 10.0, 70.0 + s)
-        write_run(root, 'r', 'capskip', s, 2, 8.0, 70.5 + s, kept=0.5)
+    for s in (1, 2):
+        write_run(root, 'r', 'dense', s, 2, 10.0, 0.70 + s / 100)
+        write_run(root, 'r', 'capskip', s, 2, 8.0, 0.705 + s / 100, kept=0.5)
     report = build_report(root, metric='val_acc')
     eq = next(t for t in report.sections[('', 'r')] if t.name == 'equal_epochs').records[0]
     assert eq['acc_diff_pp'] == pytest.approx(0.5)
     assert 'Metric: final `val_acc`' in report_markdown(report)
+    write_run(root, 'r', 'dense', 3, 2, 10.0, 72.0)
+    report = build_report(root, metric='val_acc')
+    assert ('r/dense/seed3/ep2', 'final.json: val_acc = 72.0 is outside [0, 1] (accuracies and fractions are stored as '
+            'fractions, not percent)') in report.notes.items
+
+
+def _equal_epochs(out):
+    return read_csv(out / 'r__equal_epochs.csv')
+
+
+@pytest.mark.parametrize('damage, reason', [
+    (lambda f: f.update(test_acc=40.56), 'final.json: test_acc = 40.56 is outside [0, 1]'),
+    (lambda f: f.update(test_acc=float('nan')), 'final.json: test_acc = nan is not finite'),
+    (lambda f: f.update(test_acc='0.71'), "final.json: test_acc = '0.71' is not a number"),
+    (lambda f: f.update(train_time_s=float('inf')), 'final.json: train_time_s = inf is not finite'),
+    (lambda f: f.update(seed='1'), "final.json: seed = '1' is not an int"),
+    (lambda f: f.update(test_accuracy=0.7), "final.json has unknown key(s) ['test_accuracy']"),
+    (lambda f: f.pop('train_time_s'), "final.json lacks ['train_time_s']"),
+], ids=['percent', 'nan', 'string', 'inf-time', 'string-seed', 'unknown-key', 'missing-key'])
+def test_one_bad_final_json_is_listed_and_changes_nothing_else(folder, tmp_path, damage, reason):
+    root, _, _ = folder
+    assert report_main([str(root), '--out', str(tmp_path / 'good'), '--no-figures']) == 0
+    path = root / 'r' / 'capskip' / 'seed2' / 'ep8' / 'final.json'
+    final = json.loads(path.read_text())
+    damage(final)
+    path.write_text(json.dumps(final))                    # Python's json writes NaN/Infinity, as a careless writer would
+    assert report_main([str(root), '--out', str(tmp_path / 'bad'), '--no-figures']) == 0
+    missing = read_csv(tmp_path / 'bad' / 'missing.csv')
+    assert any(m['where'] == 'r/capskip/seed2/ep8' and m['problem'].startswith(reason) for m in missing), missing
+    good = {(r['arm'], r['epochs']): r for r in _equal_epochs(tmp_path / 'good')}
+    bad = {(r['arm'], r['epochs']): r for r in _equal_epochs(tmp_path / 'bad')}
+    assert bad[('capskip', '4')] == good[('capskip', '4')]                   # the other budget: untouched
+    assert bad[('capskip', '8')]['n'] == '2'                                 # seeds 1 and 3 still paired
+    good_runs = [r for r in read_csv(tmp_path / 'good' / 'r__runs.csv') if (r['arm'], r['seed'], r['epochs']) != ('capskip', '2', '8')]
+    assert read_csv(tmp_path / 'bad' / 'r__runs.csv') == good_runs           # every other run's numbers, unchanged
+
+
+def test_a_bad_results_line_is_listed(folder, tmp_path):
+    root, _, _ = folder
+    path = root / 'r' / 'dense' / 'seed1' / 'ep4' / 'results.jsonl'
+    rows = [json.loads(l) for l in path.read_text().splitlines()]
+    rows[1]['rows_backprop'] = -5
+    path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    report = build_report(root)
+    assert ('r/dense/seed1/ep4', 'results.jsonl line 2: rows_backprop = -5 is negative') in report.notes.items
+
+
+def test_diverged_runs_are_listed_as_such_and_counted_per_arm(folder, tmp_path):
+    root, _, _ = folder
+    for arm, seed, epochs, at in (('capskip', 2, 8, (3, 5)), ('capskip', 3, 8, (1, 2))):
+        path = root / 'r' / arm / f'seed{seed}' / f'ep{epochs}' / 'final.json'
+        final = json.loads(path.read_text())
+        path.write_text(json.dumps({k: final[k] for k in ('recipe', 'arm', 'seed', 'epochs', 'train_time_s')} | {
+            'status': 'diverged', 'complete': False, 'val_acc': None, 'test_acc': None, 'last_finite_epoch': at[0] - 1,
+            'diverged': {'epoch': at[0], 'step': at[1], 'steps': 40, 'what': 'loss', 'peak_lr': 1e6}}))
+    out = tmp_path / 'rep'
+    assert report_main([str(root), '--out', str(out), '--no-figures']) == 0
+    counts = {(r['arm'], r['seed']): r for r in read_csv(out / 'diverged.csv')}
+    assert counts[('capskip', '2')]['diverged_in_arm'] == '2' and counts[('capskip', '2')]['runs_in_arm'] == '6'
+    assert (counts[('capskip', '2')]['epoch'], counts[('capskip', '2')]['step']) == ('3', '5')
+    assert counts[('dense', '')]['diverged_in_arm'] == '0' and counts[('dense', '')]['runs_in_arm'] == '6'
+    text = (out / 'report.md').read_text()
+    assert '## Diverged runs' in text and 'seed2/ep8: epoch 3, step 5 of 40, loss' in text
+    assert '12 run folders: 10 complete, 2 diverged' in text
+    assert not any('diverged' in m['problem'] for m in read_csv(out / 'missing.csv'))   # a result, not a missing run
+    eq = {(r['arm'], r['epochs']): r for r in _equal_epochs(out)}
+    assert eq[('capskip', '8')]['n'] == '1' and eq[('capskip', '4')]['n'] == '3'
 
 
 def test_report_on_a_real_capskip_train_folder(tmp_path):
@@ -230,3 +298,53 @@ def test_group_without_reference_says_so(tmp_path):
     report = build_report(root)
     assert {t.name for t in report.sections[('', 'r')]} == {'runs', 'composition'}
     assert 'No complete `dense` runs here' in report_markdown(report)
+
+
+# --- pairings across recipes and folders, the bar, validation accuracy (issue 12) ---
+
+def _two_recipes(root):
+    "Dense at two learning rates (two recipes) and a composite in its own folder, three seeds, written by hand."
+    times = {'a': [40.0, 41.0, 43.0], 'b': [39.0, 42.5, 42.0], 'masked': [44.0, 46.0, 45.0]}
+    accs = {'a': [0.700, 0.712, 0.705], 'b': [0.709, 0.716, 0.715], 'masked': [0.701, 0.705, 0.700]}
+    for i, s in enumerate((1, 2, 3)):
+        write_run(root, 'lr01', 'dense', s, 8, times['a'][i], accs['a'][i])
+        write_run(root, 'lr005', 'dense', s, 8, times['b'][i], accs['b'][i])
+        write_run(root / 'masked', 'lr005', 'infobatch_capskip', s, 8, times['masked'][i], accs['masked'][i], kept=0.5)
+    return times, accs
+
+
+def test_pairings_across_recipes_and_folders_match_scipy(tmp_path):
+    root = tmp_path / 'runs'
+    times, accs = _two_recipes(root)
+    assert report_main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures', '--bar', '-0.4',
+                        '--pair', 'lr005/dense:lr01/dense', '--pair', 'masked/lr005/infobatch_capskip@8:lr005/dense@8']) == 0
+    rows = read_csv(tmp_path / 'rep' / 'pairings.csv')
+    assert [r['arm'] for r in rows] == ['lr005/dense@8', 'masked/lr005/infobatch_capskip@8']
+    for row, (a, b) in zip(rows, (('b', 'a'), ('masked', 'b'))):
+        diffs = 100 * (np.array(accs[a]) - np.array(accs[b]))
+        assert float(row['acc_diff_pp']) == pytest.approx(diffs.mean(), rel=1e-9)
+        assert (float(row['acc_diff_pp_lo']), float(row['acc_diff_pp_hi'])) == pytest.approx(scipy_interval(diffs), rel=1e-9)
+        logs = np.log(np.array(times[a]) / np.array(times[b]))
+        lo, hi = scipy_interval(logs)
+        assert float(row['time_ratio_hi']) == pytest.approx(math.exp(hi), rel=1e-9)
+        time_ok, acc_ok = math.exp(hi) < 1.0, scipy_interval(diffs)[0] >= -0.4
+        assert row['bar'] == {(True, True): 'yes', (False, True): 'no (time)', (True, False): 'no (acc.)', (False, False): 'no'}[(time_ok, acc_ok)]
+    assert 'bar passed' in (tmp_path / 'rep' / 'report.md').read_text()
+
+
+def test_bad_pairings_and_missing_cells_are_explained(tmp_path, capsys):
+    root = tmp_path / 'runs'
+    _two_recipes(root)
+    assert report_main([str(root), '--pair', 'lr01/dense']) == 2
+    assert '--pair takes ARM_CELL:REF_CELL' in capsys.readouterr().err
+    report = build_report(root, pairs=['lr01/dense@8:lr005/capskip@8'])
+    assert any('no complete runs of lr005/capskip@8' in p for _, p in report.notes.items)
+
+
+def test_val_acc_report_names_runs_without_a_validation_split(tmp_path):
+    root = tmp_path / 'runs'
+    for s in (1, 2):
+        write_run(root, 'ft', 'dense', s, 2, 10.0, 0.7, final_extra={'val_acc': None},
+                  config_extra={'data_kw': {'img_size': 224, 'val_fraction': 0.0}})
+    report = build_report(root, metric='val_acc')
+    assert any(w == 'ft' and 'without a validation split' in p for w, p in report.notes.items)

@@ -72,3 +72,27 @@ def test_dry_run_runs_nothing(tmp_path, capsys):
     assert sweep_main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1,2', '--epochs', '3',
                  '--out', str(tmp_path), '--dry-run']) == 0
     assert capsys.readouterr().out.count('would run') == 4 and not (tmp_path / 'digits').exists()
+
+
+def test_locked_runs_are_skipped_and_diverged_runs_are_results(tmp_path, capsys):
+    "A run another process holds is skipped and listed; a diverged run is a result (not a failure, not rerun)."
+    from capskip.runs.runio import RunLock
+    with RunLock(run_dir(tmp_path, 'digits', 'dense', 1, 1)):
+        code = sweep_main(['--recipe', 'digits', '--arms', 'dense,capskip', '--seeds', '1', '--epochs', '1',
+                           '--set', 'batch_size=256', '--set', 'warmup=false', '--set', 'base_lr=1e6',
+                           '--out', str(tmp_path), '--quiet'])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {line.split()[0]: line.split()[3] for line in out.splitlines() if line.split()[:1] in (['dense'], ['capskip'])}
+    assert rows == {'dense': 'locked', 'capskip': 'diverged'}, out
+    assert '1 run(s) skipped: another process is writing them' in out and '1 run(s) diverged' in out
+    assert read_json(run_dir(tmp_path, 'digits', 'capskip', 1, 1) / 'final.json')['status'] == 'diverged'
+    assert not (run_dir(tmp_path, 'digits', 'dense', 1, 1) / 'config.json').exists()
+
+
+def test_demo_says_which_runs_diverged(tmp_path, capsys):
+    from capskip.cli.runs import demo_main
+    assert demo_main(['--recipe', 'digits', '--seeds', '1', '--epochs', '1', '--set', 'base_lr=1e6', '--set', 'warmup=false',
+                      '--set', 'batch_size=256', '--out', str(tmp_path)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('capskip demo: demo runs did not finish') and err[0].count('diverged') == 2

@@ -1,5 +1,6 @@
 """The training runner: results-folder contract, exact resume (in-process stop and a real SIGKILL), reuse of
-finished runs, refusal of mismatched folders, schedule and lr scaling as recorded, clear errors."""
+finished runs, refusal of mismatched folders, schedule and lr scaling as recorded, clear errors; diverged runs
+recorded as such (value checks on, as on CPU, and off, as on CUDA) with the last finite checkpoint kept."""
 import importlib.metadata
 import json
 import os
@@ -17,6 +18,7 @@ from capskip.runs.build import build_model, build_splits, evaluate
 from capskip.runs.recipes import resolve_config
 from capskip.runs.runio import load_checkpoint, read_json, read_jsonl, run_dir
 from capskip.runs.schedules import lr_at, scaled_lr, step_progress
+from capskip.runs.divergence import DIVERGED_EXIT
 from capskip.runs.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,8 +202,8 @@ def test_cifar_recipe_on_real_format_files_resumes_exactly_with_augmentation(tmp
     "The CIFAR-100 path (pickled files, augmentation, DataLoader workers) on a tiny fake data set in the real layout."
     from capskip.testing.files import write_fake_cifar100
     write_fake_cifar100(tmp_path / 'data', per_class_train=3, per_class_test=1)
-    over = {'data_root': str(tmp_path / 'data'), 'model': 'digits_cnn', 'batch_size': 64, 'eval_batch_size': 100,
-            'num_workers': 0}
+    over = {'data_root': str(tmp_path / 'data'), 'model': 'digits_cnn', 'model_kw': {}, 'batch_size': 64,
+            'eval_batch_size': 100, 'num_workers': 0}     # model_kw: the recipe's ResNet options do not fit digits_cnn
     cfg = resolve_config('resnet18gn_cifar100', over, arm='capskip', seed=2, epochs=2)
     final = train(cfg, tmp_path / 'a', progress='none')
     assert final['complete'] and final['rows_forwarded_frac'] == 1.0
@@ -237,3 +239,94 @@ def test_cli_reports_run_errors_without_a_traceback(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(['--recipe', 'deit_s_cifar100_finetune', '--out', str(tmp_path)])
     assert '--pretrained PATH' in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- diverged runs (issue 10)
+def no_value_checks(monkeypatch):
+    "As on CUDA: the selector and the loss do not read their inputs' values, so nothing raises at the first NaN."
+    import capskip.checks
+    monkeypatch.setattr(capskip.checks, 'values_checked', lambda check_values, *tensors: False)
+
+
+@pytest.mark.parametrize('arm', ['dense', 'infobatch', 'random_rescale', 'capskip'])
+def test_a_diverged_run_is_a_result_not_a_zero_loss(arm, tmp_path, monkeypatch):
+    "--set base_lr=1e6 with value checks off: the per-epoch read stops the run; status, epoch and step are recorded."
+    import capskip.runs.train as runner
+    no_value_checks(monkeypatch)
+    monkeypatch.setattr(runner, 'diverged_after_error', lambda *a: pytest.fail('the run raised: checks were not off'))
+    cfg = small(arm, epochs=3, warmup=False, base_lr=1e6)
+    final = train(cfg, tmp_path, progress='none')
+    folder = run_dir(tmp_path, 'digits', arm, 1, 3)
+    assert final == read_json(folder / 'final.json')
+    assert (final['status'], final['complete'], final['test_acc'], final['val_acc']) == ('diverged', False, None, None)
+    d = final['diverged']
+    assert d['what'] in ('loss', 'gradient', 'parameters') and 1 <= d['step'] <= d['steps'] and d['epoch'] >= 1
+    assert d['peak_lr'] == pytest.approx(scaled_lr(1e6, 256, cfg.base_batch))
+    rows = read_jsonl(folder / 'results.jsonl') if (folder / 'results.jsonl').exists() else []
+    assert len(rows) == final['last_finite_epoch'] == d['epoch'] - 1        # only finite epochs are logged
+    assert all(r['loss'] is not None and r['loss'] > 0 for r in rows)      # never a NaN written as 0.0
+    monkeypatch.setattr(runner, 'train_epoch', lambda *a, **k: pytest.fail('a diverged run was recomputed'))
+    assert train(cfg, tmp_path, progress='none') == final
+
+
+def test_cli_diverged_run_exits_3_with_one_line_naming_divergence(tmp_path, capsys):
+    "On CPU the value checks raise at the first NaN logit: the runner turns that into the same 'diverged' result."
+    argv = ['--recipe', 'digits', '--arm', 'capskip', '--seed', '1', '--epochs', '3', '--batch-size', '256',
+            '--set', 'base_lr=1e6', '--set', 'warmup=false', '--out', str(tmp_path), '--quiet']
+    assert train_main(argv) == DIVERGED_EXIT == 3
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith('capskip train: run diverged: non-finite') and 'Traceback' not in err[0]
+    assert 'learning rate' in err[0] and 'fp16' not in err[0] and 'not numerical precision' in err[0]
+    final = read_json(run_dir(tmp_path, 'digits', 'capskip', 1, 3) / 'final.json')
+    assert final['status'] == 'diverged' and final['diverged']['epoch'] == 1
+    assert train_main(argv) == 3                                            # asked again: still says so, not rerun
+    again = capsys.readouterr()
+    assert 'diverged run, not recomputed' in again.out and 'run diverged' in again.err
+
+
+def test_the_last_finite_checkpoint_is_kept(tmp_path):
+    "Epoch 1 finishes; its checkpoint's weights are then scaled so that epoch 2 overflows: epoch 1's checkpoint stays."
+    cfg = small('dense', epochs=3, warmup=False)
+    train(cfg, tmp_path, progress='none', stop_after=1)
+    folder = run_dir(tmp_path, 'digits', 'dense', 1, 3)
+    ckpt = load_checkpoint(folder / 'checkpoint.pt')
+    ckpt['model'] = {k: v * 1e30 if v.is_floating_point() else v for k, v in ckpt['model'].items()}
+    torch.save(ckpt, folder / 'checkpoint.pt')
+    kept = load_checkpoint(folder / 'checkpoint.pt')
+    final = train(cfg, tmp_path, progress='none', resume=True)
+    assert final['status'] == 'diverged' and final['diverged']['epoch'] == 2 and final['last_finite_epoch'] == 1
+    after = load_checkpoint(folder / 'checkpoint.pt')
+    assert after['epoch'] == 1 and all(torch.equal(after['model'][k], kept['model'][k]) for k in kept['model'])
+    assert len(read_jsonl(folder / 'results.jsonl')) == 1
+
+
+def test_finite_watch_reads_nothing_per_step():
+    "The per-step check runs on the meta device, where any host read (item, bool, tolist) would raise."
+    from capskip.runs.divergence import FiniteWatch, grad_norm
+    w = FiniteWatch('meta')
+    model = torch.nn.Linear(4, 3, device='meta')
+    for p in model.parameters(): p.grad = torch.empty_like(p)
+    for step in range(3): w.add(step, torch.empty((), device='meta'), grad_norm(model.parameters()))
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        w.read(1, 3)                                        # the one read per epoch is where the host is reached
+
+
+def test_resume_without_its_checkpoint_is_an_error_and_nothing_to_resume_is_said(tmp_path, capsys):
+    argv = ['--recipe', 'digits', '--arm', 'dense', '--seed', '1', '--epochs', '2', '--batch-size', '256',
+            '--set', 'warmup=false', '--out', str(tmp_path), '--quiet']
+    assert train_main(argv + ['--stop-after', '1', '--resume']) == 0
+    assert 'nothing to resume' in capsys.readouterr().err                    # a fresh folder: said, then started
+    folder = run_dir(tmp_path, 'digits', 'dense', 1, 2)
+    (folder / 'checkpoint.pt').unlink()
+    for extra in (['--resume'], []):
+        assert train_main(argv + extra) == 2
+        err = capsys.readouterr().err
+        assert 'no checkpoint.pt' in err and '1 finished epoch' in err and 'Traceback' not in err
+    assert len(read_jsonl(folder / 'results.jsonl')) == 1                      # nothing was overwritten
+
+
+def test_a_run_that_cannot_start_leaves_no_empty_folder(tmp_path):
+    cfg = resolve_config('resnet18gn_cifar100', {'data_root': str(tmp_path / 'nowhere')}, epochs=1)
+    with pytest.raises((FileNotFoundError, ValueError)):
+        train(cfg, tmp_path / 'out', progress='none')
+    assert not (tmp_path / 'out' / 'resnet18gn_cifar100').exists()

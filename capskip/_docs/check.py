@@ -10,13 +10,16 @@ import functools
 import http.server
 import importlib
 import inspect
+import os
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 # %% auto #0
-__all__ = ['CHROMIUM', 'CHROMIUM_FLAGS', 'site_pages', 'serve', 'public_api', 'find_chromium', 'SiteCheck', 'check_site']
+__all__ = ['CHROMIUM', 'CHROMIUM_ENV', 'SKIP_BROWSER_ENV', 'CHROMIUM_PATHS', 'CHROMIUM_NAMES', 'CHROMIUM_FLAGS', 'NO_BROWSER',
+           'site_pages', 'serve', 'public_api', 'find_chromium', 'SiteCheck', 'check_site']
 
 # %% ../../nbs/10b_docs_check.ipynb #f357b9dc
 _NOT_PAGES = ('_static', '_sources', '_images', '_build', '_assets', 'jupyter_execute')
@@ -62,15 +65,36 @@ def public_api(modules: list[str] | None = None) -> dict[str, list[str]]:
     return api
 
 # %% ../../nbs/10b_docs_check.ipynb #f5e315de
-CHROMIUM = '/usr/bin/chromium'
+CHROMIUM = '/usr/bin/chromium'            # Debian's package, what `.ci/system-deps` installs where it can
+CHROMIUM_ENV, SKIP_BROWSER_ENV = 'CAPSKIP_CHROMIUM', 'CAPSKIP_SKIP_BROWSER_CHECK'
+CHROMIUM_PATHS = (CHROMIUM, '/usr/bin/chromium-browser', '/usr/bin/google-chrome', '/usr/bin/google-chrome-stable',
+                  '/snap/bin/chromium', '/opt/google/chrome/chrome',
+                  '/Applications/Google Chrome.app/Contents/MacOS/Google Chrome',
+                  '/Applications/Chromium.app/Contents/MacOS/Chromium')
+CHROMIUM_NAMES = ('chromium', 'chromium-browser', 'google-chrome', 'google-chrome-stable', 'chrome')
 CHROMIUM_FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
                   '--disable-component-update', '--disable-sync', '--no-first-run']
+NO_BROWSER = ('no Chrome/Chromium found for the docs check: install one (Debian/Ubuntu: `sudo apt-get install -y '
+              '--no-install-recommends chromium`, or `bash .ci/system-deps` as root; macOS: Google Chrome), or point '
+              f'{CHROMIUM_ENV}=/path/to/chrome at one; to run the tests without this check set {SKIP_BROWSER_ENV}=1 '
+              '(reported as skipped)')
 
-def find_chromium(path: str = CHROMIUM) -> str:
-    "Debian's Chromium, or a clear error saying how to install it (no browser is ever downloaded)."
-    if Path(path).exists(): return path
-    raise FileNotFoundError(f'{path} not found: the docs check needs Debian\'s Chromium '
-                            '(`bash .ci/system-deps`, i.e. `apt-get install -y --no-install-recommends chromium`)')
+def _executable(path: str) -> bool: return os.path.isfile(path) and os.access(path, os.X_OK)
+
+def find_chromium(path: str | None = None, environ: dict | None = None) -> str:
+    "The browser for the docs check: `path`, `$CAPSKIP_CHROMIUM`, the usual install paths, then `PATH`; else one line saying what to do."
+    env = os.environ if environ is None else environ
+    explicit, source = (path, 'given') if path else (env.get(CHROMIUM_ENV), f'${CHROMIUM_ENV}')
+    if explicit:
+        if _executable(explicit): return explicit
+        raise FileNotFoundError(f'{explicit} ({source}) is not an executable browser: point {CHROMIUM_ENV} at Chrome '
+                                f'or Chromium, or unset it to look on the usual paths. ' + NO_BROWSER)
+    for candidate in CHROMIUM_PATHS:
+        if _executable(candidate): return candidate
+    for name in CHROMIUM_NAMES:
+        found = shutil.which(name, path=env.get('PATH', os.defpath))
+        if found: return found
+    raise FileNotFoundError(NO_BROWSER)
 
 @dataclass
 class SiteCheck:
@@ -132,11 +156,11 @@ def _watch(context, page, where: list[str], check: SiteCheck) -> None:
     page.on('pageerror', lambda e: check.console_errors.append(f'{where[0]}: {e}'))
     page.on('response', lambda r: r.status >= 400 and check.failed_requests.append(f'{where[0]}: {r.status} {r.url}'))
 
-def check_site(site: Path, chromium: str = CHROMIUM, search_word: str = 'select', timeout_ms: int = 30_000) -> SiteCheck:
+def check_site(site: Path, chromium: str | None = None, search_word: str = 'select', timeout_ms: int = 30_000) -> SiteCheck:
     "Load every page of the built `site` in headless Chromium and record what a reader's browser sees."
     try: from playwright.sync_api import sync_playwright
     except ImportError as e:
-        raise ImportError('the docs check needs Playwright: pip install -e ".[docs]" (browser: Debian\'s chromium)') from e
+        raise ImportError('the docs check needs Playwright: pip install -e ".[docs]" (browser: see find_chromium)') from e
     chromium, site = find_chromium(chromium), Path(site)
     check, where = SiteCheck(pages=site_pages(site), search_word=search_word), ['']
     if not check.pages: return check

@@ -16,9 +16,10 @@ from pathlib import Path
 from .stats import Comparison, paired_difference, paired_ratio
 
 # %% auto #0
-__all__ = ['Run', 'read_run', 'load_runs', 'run_accuracy', 'accuracy_scale', 'run_time', 'rows_bwd_percent', 'run_budget',
+__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'PERCENT', 'Run', 'value_problem',
+           'fields_problem', 'read_run', 'load_runs', 'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget',
            'Notes', 'where', 'pair_seeds', 'compare', 'Table', 'comparison_fields', 'mean_present', 'format_value',
-           'ReportData', 'index_runs']
+           'ReportData', 'index_runs', 'diverged_table']
 
 # %% ../../nbs/07a_results.ipynb #ba5cba1f
 @dataclass
@@ -33,10 +34,15 @@ class Run:
     config: dict = field(default_factory=dict)
     history: list = field(default_factory=list)    # results.jsonl rows
     final: dict | None = None
-    problem: str | None = None   # why the run is partial or unusable; None when complete
+    problem: str | None = None   # why the run is partial, unusable or diverged; None when complete
+    diverged: dict | None = None # final.json's `diverged` (epoch, step, steps, what) of a run that diverged
 
     @property
     def complete(self) -> bool: return self.problem is None
+    @property
+    def status(self) -> str:
+        "'complete', 'diverged' (a result, not missing) or 'partial' (missing or unusable)."
+        return 'complete' if self.complete else 'diverged' if self.diverged is not None else 'partial'
     @property
     def group(self) -> tuple[str, str]: return (self.variant, self.recipe)
 
@@ -44,24 +50,101 @@ def _read_json_file(path: Path) -> tuple[object, str | None]:
     try: return json.loads(path.read_text(encoding='utf-8')), None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e: return None, f'unreadable {path.name} ({e})'
 
+# kinds: str, int, bool, dict; fraction ([0, 1]), seconds and count (finite, >= 0), number (finite); None is allowed
+# unless the key is in the not-null set of its file
+FINAL_FIELDS = {'recipe': 'str', 'arm': 'str', 'seed': 'int', 'epochs': 'int', 'train_time_s': 'seconds',
+                'val_acc': 'fraction', 'test_acc': 'fraction', 'best_val_acc': 'fraction', 'kept_fraction': 'fraction',
+                'rows_backprop_frac': 'count', 'rows_forwarded_frac': 'count', 'eval_time_s': 'seconds',
+                'warmup_time_s': 'seconds', 'time_matched': 'dict', 'complete': 'bool', 'status': 'str',
+                'diverged': 'dict', 'last_finite_epoch': 'int'}
+FINAL_REQUIRED = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
+                  'kept_fraction', 'complete')
+DIVERGED_FIELDS = {'epoch': 'int', 'step': 'int', 'steps': 'int', 'what': 'str', 'peak_lr': 'number'}
+ROW_FIELDS = {'epoch': 'int', 'train_time_s': 'seconds', 'epoch_time_s': 'seconds', 'eval_time_s': 'seconds',
+              'warmup_time_s': 'seconds', 'lr': 'number', 'steps': 'count', 'loss': 'number', 'train_acc': 'fraction',
+              'val_acc': 'fraction', 'test_acc': 'fraction', 'rows_forwarded': 'count', 'rows_backprop': 'count',
+              'kept_fraction': 'fraction', 'mean_distortion': 'count', 'rows_pruned': 'count', 'policy': 'dict'}
+ROW_REQUIRED = ('epoch', 'train_time_s', 'lr', 'loss', 'train_acc', 'val_acc', 'test_acc', 'rows_forwarded',
+                'rows_backprop', 'kept_fraction', 'mean_distortion', 'rows_pruned')
+
+def value_problem(key: str, value, kind: str) -> str | None:
+    "Why `value` of `key` is not a valid `kind` (see `FINAL_FIELDS`), or None when it is (None values are valid)."
+    if value is None: return None
+    if kind in ('str', 'bool', 'dict', 'int'):
+        ok = {'str': isinstance(value, str), 'bool': isinstance(value, bool), 'dict': isinstance(value, dict),
+              'int': isinstance(value, int) and not isinstance(value, bool)}[kind]
+        return None if ok else f'{key} = {value!r} is not {"an" if kind == "int" else "a"} {kind}'
+    if not isinstance(value, (int, float)) or isinstance(value, bool): return f'{key} = {value!r} is not a number'
+    if not math.isfinite(value): return f'{key} = {value!r} is not finite'
+    if kind == 'fraction' and not 0 <= value <= 1:
+        return f'{key} = {value!r} is outside [0, 1] (accuracies and fractions are stored as fractions, not percent)'
+    if kind in ('seconds', 'count') and value < 0: return f'{key} = {value!r} is negative'
+    return None
+
+def fields_problem(obj, fields: dict, required, not_null, what: str) -> str | None:
+    "Why the JSON object `obj` (named `what`) breaks its schema: unknown or missing keys, null or invalid values."
+    if not isinstance(obj, dict): return f'{what} does not hold a JSON object'
+    unknown = sorted(set(obj) - set(fields))
+    if unknown: return f'{what} has unknown key(s) {unknown}'
+    missing = [k for k in required if k not in obj]
+    if missing: return f'{what} lacks {missing}'
+    for key, value in obj.items():
+        if value is None and key in not_null: return f'{what}: {key} is null'
+        problem = value_problem(key, value, fields[key])
+        if problem: return f'{what}: {problem}'
+    return None
+
+def _row_problem(row, n: int, line: int) -> str | None:
+    what = f'results.jsonl line {line}'
+    problem = fields_problem(row, ROW_FIELDS, ROW_REQUIRED, ('epoch', 'train_time_s'), what)
+    if problem: return problem
+    if row['epoch'] != n: return f'{what}: epoch = {row["epoch"]!r} where {n} was expected (epochs in order from 1)'
+    for key, value in (row.get('policy') or {}).items():
+        problem = value_problem(f'policy.{key}', value, 'number')
+        if problem: return f'{what}: {problem}'
+    return None
+
 def _read_history(path: Path) -> tuple[list, str | None]:
     if not path.exists(): return [], 'no results.jsonl'
     rows = []
-    for i, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+    for i, line in enumerate(path.read_text(encoding='utf-8', errors='replace').splitlines(), 1):
         if not line.strip(): continue
-        try: rows.append(json.loads(line))
+        try: row = json.loads(line)
         except json.JSONDecodeError: return rows, f'results.jsonl line {i} is not valid JSON'
+        problem = _row_problem(row, len(rows) + 1, i)
+        if problem: return rows, problem
+        rows.append(row)
     return rows, None
 
+def _config_problem(config) -> str | None:
+    if not isinstance(config, dict): return 'config.json does not hold a JSON object'
+    kw = config.get('policy_kw')
+    if kw is not None and not isinstance(kw, dict): return f'config.json: policy_kw = {kw!r} is not a dict'
+    for where_, source in (('policy_kw.budget', kw or {}), ('budget', config)):
+        problem = value_problem(where_, source.get('budget'), 'count')
+        if problem: return f'config.json: {problem}'
+    tm = config.get('time_matched')
+    if tm is not None and not (isinstance(tm, dict) and value_problem('epochs', tm.get('epochs'), 'int') is None):
+        return f'config.json: time_matched = {tm!r} is not a dict with integer epochs'
+    return None
+
 def _final_problem(final, run: Run) -> str | None:
-    if not isinstance(final, dict): return 'final.json does not hold a JSON object'
-    if final.get('complete') is not True: return 'final.json is not marked complete'
+    diverged = isinstance(final, dict) and final.get('status') == 'diverged'
+    required = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'status', 'diverged', 'complete') if diverged else FINAL_REQUIRED
+    problem = fields_problem(final, FINAL_FIELDS, required, ('arm', 'seed', 'epochs', 'train_time_s', 'complete'), 'final.json')
+    if problem: return problem
+    if final.get('status') not in (None, 'complete', 'diverged'):
+        return f"final.json: status = {final['status']!r} is not 'complete' or 'diverged'"
+    if diverged:
+        problem = fields_problem(final['diverged'], DIVERGED_FIELDS, ('epoch', 'step', 'steps', 'what'),
+                                 ('epoch', 'step', 'steps', 'what'), 'final.json: diverged')
+        if problem: return problem
+        if final['complete'] is not False: return 'final.json says diverged but also complete'
+    elif final.get('complete') is not True: return 'final.json is not marked complete'
     for key, want in (('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
-        if key in final and final[key] != want:
-            return f'final.json says {key}={final[key]!r} but the folder says {want!r}'
-    t = final.get('train_time_s')
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
-        return f'final.json has no positive train_time_s (got {t!r})'
+        if final[key] != want: return f'final.json says {key}={final[key]!r} but the folder says {want!r}'
+    if not diverged and not final['train_time_s'] > 0:
+        return f'final.json has no positive train_time_s (got {final["train_time_s"]!r})'
     return None
 
 def read_run(path: str | Path, root: str | Path) -> Run:
@@ -76,16 +159,21 @@ def read_run(path: str | Path, root: str | Path) -> Run:
     run = Run(path, '' if variant == '.' else variant, recipe_dir.name, path.parents[1].name,
               int(seed_m.group(1)), int(ep_m.group(1)))
     config, problem = _read_json_file(path / 'config.json') if (path / 'config.json').exists() else ({}, None)
-    run.config = config if isinstance(config, dict) else {}
+    problem = problem or (_config_problem(config) if (path / 'config.json').exists() else None)
+    run.config = config if isinstance(config, dict) and problem is None else {}
     run.history, history_problem = _read_history(path / 'results.jsonl')
     if not (path / 'final.json').exists():
         run.problem = f'partial: no final.json ({len(run.history)} of {run.epochs} epochs logged)'
         return run
     final, final_read_problem = _read_json_file(path / 'final.json')
-    run.final = final if isinstance(final, dict) else None
     run.problem = final_read_problem or problem or _final_problem(final, run)
+    run.final = final if isinstance(final, dict) and run.problem is None else None
     if run.problem is None and history_problem and history_problem != 'no results.jsonl':
         run.problem = history_problem
+    if run.problem is None and final.get('status') == 'diverged':
+        run.diverged, run.final = final['diverged'], None
+        d = run.diverged
+        run.problem = f"diverged: non-finite {d['what']} at epoch {d['epoch']}, step {d['step']} of {d['steps']}"
     return run
 
 def load_runs(run_dir: str | Path) -> list[Run]:
@@ -105,10 +193,7 @@ def run_accuracy(run: Run, metric: str = 'test_acc', scale: float = 1.0) -> floa
     v = (run.final or {}).get(metric)
     return None if v is None else float(v) * scale
 
-def accuracy_scale(runs: list[Run], metric: str = 'test_acc') -> float:
-    "100 when every accuracy of the complete `runs` is a fraction (<= 1), else 1."
-    values = [run_accuracy(r, metric) for r in runs if r.complete]
-    return 100.0 if all(v is None or v <= 1.0 for v in values) else 1.0
+PERCENT = 100.0   # accuracies are stored as fractions (validated in [0, 1]) and reported in percent
 
 def run_time(run: Run) -> float:
     "Training-loop wall-clock seconds of a complete run."
@@ -236,9 +321,10 @@ class ReportData:
         return pts
 
 def index_runs(runs: list[Run], metric: str, notes: Notes) -> dict:
-    "`{group: ReportData}` of the complete runs; a note for every partial run."
+    "`{group: ReportData}` of the complete runs; a note for every partial run (diverged runs are `diverged_table`'s)."
     groups = {}
     for run in runs:
+        if run.diverged is not None: continue
         if not run.complete:
             notes.add(where(run.group, run.arm, run.epochs, run.seed), run.problem)
             continue
@@ -247,5 +333,27 @@ def index_runs(runs: list[Run], metric: str, notes: Notes) -> dict:
     for group, rs in sorted(groups.items()):
         cells = {}
         for r in rs: cells.setdefault((r.arm, r.epochs), {})[r.seed] = r
-        out[group] = ReportData(group, cells, metric, accuracy_scale(rs, metric), notes)
+        out[group] = ReportData(group, cells, metric, PERCENT, notes)
     return out
+
+def diverged_table(runs: list[Run]) -> Table | None:
+    "Diverged runs counted per (variant, recipe, arm) — every arm of a recipe with any — and where each stopped; None if none diverged."
+    by_arm = {}
+    for r in runs: by_arm.setdefault((r.group, r.arm), []).append(r)
+    groups = {g for (g, _), rs in by_arm.items() if any(r.diverged is not None for r in rs)}
+    if not groups: return None
+    t = Table('diverged', 'Diverged runs',
+              'Runs whose loss or gradient stopped being finite, counted per arm among its run folders. A collapse is a '
+              'result (the runner stopped at the step shown and kept the last finite checkpoint), not a missing run; '
+              'diverged runs take no part in the comparisons above.',
+              ['recipe', 'arm', 'diverged', 'run folders', 'where (seed/epochs: epoch, step of steps, what)'])
+    for (group, arm), rs in sorted(by_arm.items()):
+        if group not in groups: continue
+        div = [r for r in rs if r.diverged is not None]
+        t.rows.append(['/'.join(p for p in group if p), arm, len(div), len(rs), '; '.join(
+            f"seed{r.seed}/ep{r.epochs}: epoch {r.diverged['epoch']}, step {r.diverged['step']} of "
+            f"{r.diverged['steps']}, {r.diverged['what']}" for r in div) or '–'])
+        base = {'variant': group[0], 'recipe': group[1], 'arm': arm, 'diverged_in_arm': len(div), 'runs_in_arm': len(rs)}
+        t.records += [dict(base, seed=r.seed, epochs=r.epochs, **{k: r.diverged.get(k) for k in ('epoch', 'step', 'steps', 'what')})
+                      for r in div] or [dict(base, seed=None, epochs=None, epoch=None, step=None, steps=None, what=None)]
+    return t

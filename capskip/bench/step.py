@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -19,20 +21,46 @@ import torch.nn as nn
 
 from ..core import DEFAULT_BUDGET, MEMORY_ALLOCATOR, TIMING_ALLOCATOR, ce_residuals
 from ..engine import MODES, Engine
+from ..engine.executors import mark_rows_dynamic
+from ..engine.reuse import saved_bytes
 from ..runs.models import create_model
 from ..selector import residuals, select
 
 # %% auto #0
-__all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'parse_keeps', 'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench',
-           'build_runner', 'configs', 'time_configs', 'measure_cpu_memory', 'summarize', 'backward_floor',
-           'format_floor', 'format_table', 'run_phase', 'launch_phase', 'measure']
+__all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'parse_keeps',
+           'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'configs', 'time_configs',
+           'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_account', 'summarize',
+           'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record', 'run_phase', 'launch_phase',
+           'measure']
 
 # %% ../../nbs/08b_bench_step.ipynb #a40f3d92
 STEP_PHASES = ('forward', 'selector', 'gather', 'backward', 'optimizer')   # the timed parts of one step, in order
 
 def ideal_ratio(k: float) -> float:
-    "Ideal step time of a selective step over dense: forward 1 + backward 2k, over 3."
+    "Ideal step time of the reusing step over dense: forward 1 + backward 2k, over 3."
     return (1 + 2 * k) / 3
+
+def reforward_ideal(k: float) -> float:
+    "Ideal step time of the re-forwarding step over dense: forward 1 + second forward k + backward 2k, over 3."
+    return (1 + 3 * k) / 3
+
+def machine_name(device: str | torch.device = 'cpu') -> str:
+    "What a timing was taken on: the GPU's name, or the CPU model with its core and thread counts."
+    device = torch.device(device)
+    if device.type == 'cuda': return f'{torch.cuda.get_device_name(device)} (CUDA)'
+    model = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            model = next((l.split(':', 1)[1].strip() for l in f if l.startswith('model name')), model)
+    except OSError: pass
+    return f'{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads'
+
+def mode_ideal(mode: str, k: float) -> float:
+    "Each configuration's own ideal: 1 for dense and masked (no saving by construction), (1+3k)/3, (1+2k)/3, and k for kept_only."
+    ideals = {'dense': 1.0, 'masked': 1.0, 'reforward': reforward_ideal(k), 'reuse': ideal_ratio(k), 'kept_only': k}
+    if mode not in ideals: raise ValueError(f'unknown configuration {mode!r}; one of {sorted(ideals)}')
+    return ideals[mode]
+
 
 # %% ../../nbs/08b_bench_step.ipynb #1f864a2e
 def parse_keeps(text: str) -> list[float]:
@@ -72,9 +100,11 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 # %% ../../nbs/08b_bench_step.ipynb #e7641d0a
 class StepRunner:
     "One model, its engines for every mode, an optimizer, and a fixed batch: runs timed steps."
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: float = DEFAULT_BUDGET, seed: int = 0):
-        self.model, self.x, self.y, self.budget = model, x, y, budget
-        self.engines = {m: Engine(model, m) for m in MODES}
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: float = DEFAULT_BUDGET, seed: int = 0,
+                 compile: bool = False):
+        self.model, self.x, self.y, self.budget, self.compile = model, x, y, budget, bool(compile)
+        self.engines = {m: Engine(model, m, compile=self.compile) for m in MODES}
+        self.engines['kept_only'] = Engine(model, 'dense', compile=self.compile)   # its own compiled graphs (dynamic in k)
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         self.gen = torch.Generator().manual_seed(seed)
         self.device = x.device
@@ -114,10 +144,12 @@ class StepRunner:
 
     def _kept_only_step(self, k: float) -> dict:
         "The reference: plain autograd forward + backward of only the kept rows (loss still normalised by B)."
-        engine, B = self.engines['dense'], self.x.shape[0]
+        engine, B = self.engines['kept_only'], self.x.shape[0]
         keep = self.keep_mask(k)
+        xk = self.x[keep]
+        if self.compile: mark_rows_dynamic(xk)
         self._sync(); t0 = time.perf_counter()
-        fwd = engine.forward(self.x[keep])
+        fwd = engine.forward(xk)
         self._sync(); t1 = time.perf_counter()
         y = self.y[keep]
         grad = ce_residuals(fwd.logits, y) / B
@@ -143,6 +175,7 @@ class StepBench:
     warmup: int = 2                 # warm-up steps per configuration
     budget: float = DEFAULT_BUDGET  # the selector's budget b
     seed: int = 0
+    compile: bool = False           # every mode and the kept_only reference through torch.compile (inductor)
 
 def _in_channels(model: nn.Module) -> int:
     "The first convolution's input channels (3 if there is none)."
@@ -159,7 +192,7 @@ def build_runner(bench: StepBench) -> StepRunner:
     gen = torch.Generator().manual_seed(bench.seed)
     x = torch.randn(bench.batch, _in_channels(model), bench.img, bench.img, generator=gen).to(device)
     y = torch.randint(0, bench.num_classes, (bench.batch,), generator=gen).to(device)
-    return StepRunner(model, x, y, bench.budget, bench.seed)
+    return StepRunner(model, x, y, bench.budget, bench.seed, bench.compile)
 
 # %% ../../nbs/08b_bench_step.ipynb #d01f6273
 def configs(keeps: list[float]) -> list[tuple[str, float]]:
@@ -197,35 +230,94 @@ def measure_cpu_memory(runner: StepRunner, keeps: list[float], steps: int = 2) -
         peaks[cfg] = best
     return peaks
 
+# %% ../../nbs/08b_bench_step.ipynb #4c5d6e7f
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    "Bytes read plus written per second by the fastest of `repeats` copies of an `nbytes` buffer (larger than the caches)."
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == 'cuda' else (lambda: None)
+    best = math.inf
+    for _ in range(repeats + 1):                         # the first copy also faults the pages in
+        sync(); t0 = time.perf_counter(); dst.copy_(src); sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+def autograd_saved_bytes(model: nn.Module, fn) -> int:
+    "Bytes of the distinct storages autograd saves for the backward while `fn()` runs (parameters and views of them excluded)."
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict = {}
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params: seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+def gather_account(runner: StepRunner, keeps: list[float]) -> dict:
+    "Per k: bytes of reuse's row-carrying saved values, the bytes its backward gathers, the bytes `kept_only` saves; and the copy bandwidth."
+    out = {}
+    for k in keeps:
+        keep = runner.keep_mask(k)
+        fwd = runner.engines['reuse'].forward(runner.x)
+        saved, gathered = saved_bytes(fwd.state, int(keep.sum())) if fwd.mode == 'reuse' else (0, 0)
+        del fwd
+        floor = autograd_saved_bytes(runner.model, lambda: runner.engines['kept_only'].forward(runner.x[keep]))
+        out[k] = {'saved': saved, 'gathered': gathered, 'floor_saved': floor}
+    return {'per_k': out, 'bandwidth': copy_bandwidth(runner.device)}
+
 # %% ../../nbs/08b_bench_step.ipynb #6c6bdbcc
-def summarize(times: dict, peaks: dict | None) -> list[dict]:
-    "Rows of the table: per config the median ms per phase, the median per-repetition ratio to dense, ideal, overhead, peak ratio."
+def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> list[dict]:
+    "Rows of the table: per config the median ms per phase, the median per-repetition ratio to dense, its own ideal, overhead, peak ratio (+ the gather account)."
     dense = times[('dense', 1.0)]
     rows = []
     for (mode, k), reps in times.items():
         ratios = [sum(r.values()) / sum(d.values()) for r, d in zip(reps, dense)]
-        ratio = statistics.median(ratios)
-        ideal = 1.0 if mode == 'dense' else k if mode == 'kept_only' else ideal_ratio(k)
+        ratio, ideal = statistics.median(ratios), mode_ideal(mode, k)
         row = {'mode': mode, 'k': k, 'ratio': ratio, 'ideal': ideal, 'overhead': ratio - ideal,
                'step_ms': 1e3 * statistics.median(sum(r.values()) for r in reps),
                **{ph: 1e3 * statistics.median(r[ph] for r in reps) for ph in STEP_PHASES}}
         row['peak_mem'] = (peaks[(mode, k)] / peaks[('dense', 1.0)]) if peaks else float('nan')
         row['peak_mib'] = (peaks[(mode, k)] / 2**20) if peaks else float('nan')
+        acct = (account or {}).get('per_k', {}).get(k)
+        if acct and mode in ('reuse', 'kept_only'):
+            bw = account['bandwidth']
+            row.update(saved_mib=acct['saved'] / 2**20, gathered_mib=acct['gathered'] / 2**20,
+                       floor_saved_mib=acct['floor_saved'] / 2**20, bandwidth_gbs=bw / 1e9,
+                       gather_ms=1e3 * 2 * acct['gathered'] / bw)   # each gathered byte is read once and written once
         rows.append(row)
     return rows
 
 def backward_floor(rows: list[dict]) -> list[dict]:
-    "Per k: eager backward over the kept rows / dense backward (the floor), and reuse's backward / that floor."
+    "Per k: eager backward over the kept rows / dense backward (the floor), reuse's backward / that floor, and what the gather accounts for."
     by = {(r['mode'], r['k']): r for r in rows}
     dense = by[('dense', 1.0)]['backward']
-    return [{'k': k, 'floor_share': by[('kept_only', k)]['backward'] / dense,
-             'reuse_over_floor': by[('reuse', k)]['backward'] / by[('kept_only', k)]['backward']}
-            for (mode, k) in by if mode == 'kept_only' and ('reuse', k) in by]
+    out = []
+    for (mode, k) in by:
+        if mode != 'kept_only' or ('reuse', k) not in by: continue
+        reuse, floor = by[('reuse', k)], by[('kept_only', k)]
+        row = {'k': k, 'floor_share': floor['backward'] / dense, 'reuse_over_floor': reuse['backward'] / floor['backward'],
+               'excess_ms': reuse['backward'] - floor['backward'],
+               'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
+        row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_ms')
+                    if key in reuse})
+        out.append(row)
+    return out
 
 def format_floor(rows: list[dict]) -> str:
-    "The backward-floor lines printed under the table."
-    return '\n'.join(f'k={r["k"]:.2f}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
-                     f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that' for r in rows)
+    "The backward-floor lines printed under the table: the floor, reuse's backward against it, and the gather's account."
+    lines = []
+    for r in rows:
+        lines.append(f'k={r["k"]:.2f}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
+                     f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that ({r["excess_ms"]:+.1f} ms); '
+                     f'selector + gather phases = {100 * r["fixed_share"]:.2f}% of the reuse step')
+        if 'gathered_mib' in r:
+            lines.append(f'        reuse gathers {r["gathered_mib"]:.1f} MiB per step (the kept rows of {r["saved_mib"]:.1f} MiB of '
+                         f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
+                         f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
+                         f'gathered bytes takes {r["gather_ms"]:.1f} ms')
+    return '\n'.join(lines)
 
 def format_table(rows: list[dict]) -> str:
     "The per-phase table."
@@ -243,14 +335,32 @@ def _unkey(key: str) -> tuple[str, float]: mode, k = key.split('@'); return mode
 
 RESULT_PREFIX = 'CAPSKIP_RESULT '
 
+def json_rows(rows: list[dict], model: str) -> list[dict]:
+    "The rows as `--json` writes them: each also under the names `capskip report --bench-json` reads (model, keep, `<phase>_ms`, peak_mem_ratio)."
+    return [{**r, 'model': model, 'keep': r['k'], **{f'{ph}_ms': r[ph] for ph in STEP_PHASES}, 'peak_mem_ratio': r['peak_mem']}
+            for r in rows]
+
+def record(path: str | os.PathLike, bench: StepBench, rows: list[dict], how: str, command: str, load: tuple) -> dict:
+    "Write a recorded run (command, machine, load, settings, rows) to `path` atomically: what docs pages show instead of timing anew."
+    rec = {'command': command, 'machine': machine_name(bench.device), 'torch': torch.__version__,
+           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+           'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
+           'memory': how, 'bench': asdict(bench), 'rows': json_rows(rows, bench.model)}
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
+    os.replace(tmp, path)
+    return rec
+
 def run_phase(bench: StepBench, phase: str) -> dict:
     "The work of one process, JSON-ready: 'time' (interleaved timing; CUDA peaks) or 'memory' (CPU peaks)."
     if phase not in ('time', 'memory'): raise ValueError(f"phase must be 'time' or 'memory', got {phase!r}")
     runner = build_runner(bench)
     if phase == 'time':
         out = time_configs(runner, bench.keeps, bench.repeats, bench.warmup, bench.seed)
+        acct = gather_account(runner, bench.keeps)
         return {'times': {_key(c): v for c, v in out['times'].items()},
-                'peaks': None if out['peaks'] is None else {_key(c): v for c, v in out['peaks'].items()}}
+                'peaks': None if out['peaks'] is None else {_key(c): v for c, v in out['peaks'].items()},
+                'account': {'bandwidth': acct['bandwidth'], 'per_k': {f'{k:g}': v for k, v in acct['per_k'].items()}}}
     return {'peaks': {_key(c): v for c, v in measure_cpu_memory(runner, bench.keeps).items()}}
 
 def launch_phase(bench: StepBench, phase: str, env_extra: dict[str, str]) -> dict:
@@ -271,7 +381,9 @@ def measure(bench: StepBench) -> tuple[list[dict], str]:
     else:
         peaks = {_unkey(k): v for k, v in launch_phase(bench, 'memory', MEMORY_ALLOCATOR)['peaks'].items()}
         how = 'resident-set sampling (1 ms), allocations > 256 KiB via mmap'
-    return summarize(times, peaks), how
+    acct = timing.get('account')
+    if acct: acct = {'bandwidth': acct['bandwidth'], 'per_k': {float(k): v for k, v in acct['per_k'].items()}}
+    return summarize(times, peaks, acct), how
 
 # %% ../../nbs/08b_bench_step.ipynb #c8a85fa9
 #| eval: false

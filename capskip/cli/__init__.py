@@ -25,12 +25,13 @@ for _name, _target, _summary in [
     ('sweep', 'capskip.cli.runs:sweep_main', 'Run a grid of arms x seeds x epoch budgets, skipping finished runs.'),
     ('recipes', 'capskip.cli.runs:recipes_main', 'List the experiment recipes and the arms (policies) they accept.'),
     ('report', 'capskip.cli.runs:report_main', 'Paired-seed tables and figures from a results folder.'),
+    ('reproduce', 'capskip.cli.reproduce:reproduce_main', "Run a paper table's exact grid (resumable; --tiny on a CPU) and write it next to the paper's numbers."),
     ('docs', 'capskip.cli.tools:docs_main', 'Build the documentation site offline from nbs/ into docs/.'),
     ('readme', 'capskip.cli.tools:readme_main', 'Regenerate README.md from nbs/index.ipynb (or --check that they agree).'),
 ]: COMMANDS.add(_name, _target, summary=_summary)
 
 # %% ../../nbs/09_cli.ipynb #80d0afeb
-TIMED_COMMANDS = ('train', 'sweep', 'demo')
+TIMED_COMMANDS = ('train', 'sweep', 'demo', 'reproduce')
 
 def allocator_env(environ: dict, command: str | None, platform: str = sys.platform) -> dict | None:
     "The environment to re-execute a timed command with, or None when it is already set (or not applicable)."

@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 from ..policies import list_policies
-from ..runs.build import check_pretrained, policy_kwargs
+from ..runs.build import check_pretrained, policy_kwargs, resolve_device
+from ..runs.divergence import DIVERGED_EXIT, divergence_message
 from ..runs.distributed import init_distributed
 from ..runs.recipes import TrainConfig, get_recipe, parse_set, recipes_table, resolve_config
-from ..runs.sweep import parse_list, sweep
+from ..runs.runio import EXIT_BUSY, RunLockedError, check_out_dir, run_dir, run_status
+from ..runs.sweep import parse_list, sweep, sweep_grid
 from ..runs.train import train
 
 # %% auto #0
@@ -25,7 +27,10 @@ __all__ = ['train_parser', 'config_from_args', 'train_main', 'sweep_parser', 'sw
 # %% ../../nbs/09b_cli_runs.ipynb #ccad6564
 def train_parser() -> argparse.ArgumentParser:
     "The `capskip train` argument parser."
-    p = argparse.ArgumentParser(prog='capskip train', description='Train one run: --recipe NAME --arm ARM --seed S (resumable).')
+    p = argparse.ArgumentParser(prog='capskip train', description='Train one run: --recipe NAME --arm ARM --seed S (resumable).',
+                                epilog='exit status: 0 done or stopped by --stop-after; 2 bad flags or a run that cannot start; '
+                                       '3 the run diverged (non-finite loss or gradient; final.json says so); '
+                                       '75 another process is writing the run folder')
     p.add_argument('--recipe', default='digits', help='recipe name (`capskip recipes` lists them); default digits')
     p.add_argument('--arm', help='policy name, one of capskip.policies.list_policies() (default: the recipe\'s)')
     p.add_argument('--seed', type=int, help='run seed (default: the recipe\'s first seed)')
@@ -68,18 +73,28 @@ def train_main(argv: list[str] | None = None) -> int:
         config = config_from_args(ns)
         policy_kwargs(config)          # unknown arm or policy option: fail before any work
         check_pretrained(config)
+        ddp = ns.ddp or int(os.environ.get('WORLD_SIZE', '1')) > 1
+        if not ddp: resolve_device(config.device)
+        check_out_dir(ns.out)
+        folder = run_dir(ns.out, config.recipe, config.arm, config.seed, config.epochs)
+        dist = init_distributed(config.device) if ddp else None
     except ValueError as e: parser.error(str(e))
-    dist = None
-    if ns.ddp or int(os.environ.get('WORLD_SIZE', '1')) > 1:
-        dist = init_distributed(config.device)
+    if ns.resume and run_status(folder) == 'new' and (dist is None or dist.rank == 0):
+        print(f'capskip train: note: nothing to resume in {folder} (no checkpoint.pt): starting at epoch 1', file=sys.stderr)
     try:
         final = train(config, ns.out, resume=ns.resume, progress='lines' if ns.quiet else 'bar',
                       stop_after=ns.stop_after, dist=dist)
+    except RunLockedError as e:                     # another process writes this run: try again later
+        print(f'capskip train: {e}', file=sys.stderr)
+        return EXIT_BUSY
     except (ValueError, FileNotFoundError) as e:   # bad data root, mismatched run folder, ...: the message says what to do
         print(f'capskip train: error: {e}', file=sys.stderr)
         return 2
     finally:
         if dist is not None: dist.close()
+    if final.get('status') == 'diverged':
+        if dist is None or dist.rank == 0: print(f'capskip train: {divergence_message(final, folder, config.amp)}', file=sys.stderr)
+        return DIVERGED_EXIT
     if final.get('complete') and (dist is None or dist.rank == 0):
         print(json.dumps({k: final[k] for k in ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc',
                                                 'test_acc', 'rows_backprop_frac', 'kept_fraction')}))
@@ -111,31 +126,43 @@ def sweep_main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         recipe = get_recipe(ns.recipe)
-        arms = parse_list(ns.arms, str, '--arms')
-        seeds = parse_list(ns.seeds, int, '--seeds') or list(recipe.seeds)
-        epochs = parse_list(ns.epochs, int, '--epochs') or list(recipe.epoch_budgets or [recipe.epochs])
+        arms = parse_list(ns.arms, str, '--arms')                  # an empty list is an error, never the default
+        seeds = parse_list(ns.seeds, int, '--seeds') if ns.seeds is not None else list(recipe.seeds)
+        epochs = (parse_list(ns.epochs, int, '--epochs') if ns.epochs is not None
+                  else list(recipe.epoch_budgets or [recipe.epochs]))
+        sweep_grid(ns.recipe, arms, seeds, epochs)                 # duplicates, budgets < 1: before any run
         named = {k: v for k, v in dict(data_root=ns.data_root, pretrained=ns.pretrained, device=ns.device).items() if v}
         overrides = parse_set(ns.set)
         resolve_config(ns.recipe, overrides, **named)          # fail fast on a bad override
         bad = [a for a in arms if a not in list_policies()]
         if bad: raise ValueError(f'unknown arm(s) {bad}; choose from {list_policies()}')
+        if ns.device: resolve_device(ns.device)
+        check_out_dir(ns.out, create=not ns.dry_run)
+        result = sweep(ns.recipe, arms, seeds, epochs, ns.out, ns.time_matched_dense, ns.matched_arm, overrides, named,
+                       progress='lines' if ns.quiet else 'bar', dry_run=ns.dry_run)   # raises only before the first run
     except ValueError as e: p.error(str(e))
-    result = sweep(ns.recipe, arms, seeds, epochs, ns.out, ns.time_matched_dense, ns.matched_arm, overrides, named,
-                   progress='lines' if ns.quiet else 'bar', dry_run=ns.dry_run)
     if result.records: print(result.table())
+    if result.diverged:
+        print(f'{len(result.diverged)} run(s) diverged (non-finite loss or gradient): a result, recorded as status "diverged" '
+              'in final.json and counted by `capskip report`')
+    if result.locked:
+        print(f'{len(result.locked)} run(s) skipped: another process is writing them; run the sweep again once it '
+              'is done to pick up anything it left unfinished')
     return 1 if result.failed else 0
 
 # %% ../../nbs/09b_cli_runs.ipynb #91c32bb4
 def demo_parser() -> argparse.ArgumentParser:
     "The `capskip demo` argument parser."
     p = argparse.ArgumentParser(prog='capskip demo', description='Dense vs CAPSkip on the embedded digits data: a table and a plot.')
-    p.add_argument('--seeds', type=int, default=3, help='number of seeds (1..N), default 3')
-    p.add_argument('--epochs', type=int, help="epoch budget (default: the recipe's, 12)")
+    p.add_argument('--seeds', type=int, default=None, help="number of seeds (1..N), default: the recipe's (6 for digits_demo)")
+    p.add_argument('--epochs', type=int, help="epoch budget (default: the recipe's, 3 for digits_demo)")
     p.add_argument('--out', default='capskip_demo', help='results folder (default ./capskip_demo); finished runs are reused')
-    p.add_argument('--recipe', default='digits_wide', help='a digits* recipe (default digits_wide)')
+    p.add_argument('--recipe', default='digits_demo',
+                   help='a digits* recipe (default digits_demo: fine-tuning from a dense warm start; digits_wide: from scratch)')
     p.add_argument('--arms', default='dense,capskip', help='comma-separated arms; the first is the reference')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='override a config field')
     p.add_argument('--progress', action='store_true', help='show per-epoch progress bars')
+    p.add_argument('--record', default=None, metavar='PATH', help='also write the table, settings and conditions to this JSON file')
     return p
 
 def demo_main(argv: list[str] | None = None) -> int:
@@ -143,29 +170,31 @@ def demo_main(argv: list[str] | None = None) -> int:
     p = demo_parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if ns.seeds < 1: raise ValueError('--seeds must be >= 1')
+        if ns.seeds is not None and ns.seeds < 1: raise ValueError('--seeds must be >= 1')
         if ns.epochs is not None and ns.epochs < 1: raise ValueError('--epochs must be >= 1')
         arms, overrides = tuple(a.strip() for a in ns.arms.split(',') if a.strip()), parse_set(ns.set)
+        check_out_dir(ns.out)
     except ValueError as e: p.error(str(e))
-    print(f'training {", ".join(arms)} on {ns.recipe} for {ns.seeds} seed(s) -> {ns.out} ...', flush=True)
-    from capskip.analysis.demo import demo   # analysis (matplotlib, seaborn) only for the commands that use it
-    res = demo(ns.seeds, ns.epochs, ns.out, arms, ns.recipe, overrides, progress='bar' if ns.progress else 'none')
-    print(res.table)
-    print('\nrows bwd: rows back-propagated / (training rows x epochs); kept: rows back-propagated / rows forwarded.')
-    print('train s: training-loop wall-clock (evaluation and one-off compilation excluded). The time ratio depends on how\n'
-          'much backward work a row costs next to fixed per-step costs (selector, gather); `capskip bench step`\n'
-          'measures the phases on the paper\'s models.')
-    print(f'plot: {res.plot}\nruns: {res.out} (finished runs are reused on the next call); wall-clock {res.wall_s:.0f} s')
+    print(f'training {", ".join(arms)} on {ns.recipe} for {ns.seeds or "the recipe default"} seed(s) -> {ns.out} ...', flush=True)
+    from capskip.analysis.demo import demo, demo_report, record_demo   # analysis (matplotlib) only for the commands that use it
+    try: res = demo(ns.seeds, ns.epochs, ns.out, arms, ns.recipe, overrides, progress='bar' if ns.progress else 'none')
+    except RuntimeError as e:                  # a run failed, diverged or is held by another process: one line
+        print(f'capskip demo: {e}', file=sys.stderr)
+        return DIVERGED_EXIT if 'diverged' in str(e) and 'failed' not in str(e) else 1
+    print(demo_report(res))
+    if ns.record: record_demo(res, ns.record, 'capskip demo ' + ' '.join(a for a in (argv or []) if a not in ('--record', ns.record)))
     return 0
 
 # %% ../../nbs/09b_cli_runs.ipynb #bb1532cd
 def recipes_main(argv: list[str] | None = None) -> int:
-    "`capskip recipes [--show NAME]`"
+    "`capskip recipes [--show NAME [--json]]`"
     parser = argparse.ArgumentParser(prog='capskip recipes', description='List the experiment recipes and the arms (policies) they accept.')
-    parser.add_argument('--show', metavar='NAME', help="print one recipe's full configuration as JSON")
+    parser.add_argument('--show', metavar='NAME', help="print every field of one recipe with its value and source (paper / assumption)")
+    parser.add_argument('--json', action='store_true', help='with --show: the configuration as JSON instead')
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if ns.show:
-        try: print(json.dumps(get_recipe(ns.show).to_dict(), indent=2))
+        from capskip.runs.sources import show_recipe
+        try: print(json.dumps(get_recipe(ns.show).to_dict(), indent=2) if ns.json else show_recipe(ns.show))
         except ValueError as e: parser.error(str(e))
         return 0
     print(recipes_table())
@@ -187,6 +216,11 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument('--baseline', default='infobatch', help='the arm composition arms are compared with (default infobatch)')
     p.add_argument('--target', type=float, action='append', help='time-to-accuracy target in %% (repeatable); fix it before the runs')
     p.add_argument('--match-tolerance', type=float, default=0.1, help='time-matched: largest relative time mismatch of an unmarked match')
+    p.add_argument('--pair', action='append', default=[], metavar='A:B',
+                   help='also compare cell A with cell B, each [FOLDER/]RECIPE/ARM[@EPOCHS], across recipes and folders (repeatable)')
+    p.add_argument('--bar', metavar='ACC_LO[,TIME_HI]',
+                   help='pre-registered bar (paper Table 5): passed when the accuracy-difference lower bound >= ACC_LO pp '
+                        'and the time-ratio upper bound < TIME_HI (default 1)')
     p.add_argument('--no-figures', action='store_true', help='tables only')
     return p
 
@@ -198,12 +232,18 @@ def report_main(argv: list[str] | None = None) -> int:
     from capskip.analysis.report import build_report, write_report
     from capskip.analysis.tables import load_bench_rows
     try:
+        if ns.out: check_out_dir(ns.out)
         bench = load_bench_rows(ns.bench_json) if ns.bench_json else None
-        report = build_report(ns.run_dir, ns.metric, ns.reference, ns.primary, ns.baseline, ns.target, ns.match_tolerance, bench)
+        from capskip.analysis.pairs import parse_bar, parse_pair
+        pairs, bar = [parse_pair(t) for t in ns.pair], (parse_bar(ns.bar) if ns.bar else None)
+        report = build_report(ns.run_dir, ns.metric, ns.reference, ns.primary, ns.baseline, ns.target, ns.match_tolerance, bench,
+                              pairs=pairs, bar=bar)
+        out = check_out_dir(ns.out or Path(ns.run_dir) / 'report')
     except (FileNotFoundError, ValueError) as e:
         print(f'capskip report: {e}', file=sys.stderr)
         return 2
-    path = write_report(report, ns.out or Path(ns.run_dir) / 'report', figures=not ns.no_figures, reference=ns.reference)
-    n_done = sum(r.complete for r in report.runs)
-    print(f'{len(report.runs)} run folders ({n_done} complete); {len(report.notes.items)} missing/partial entries; wrote {path}')
+    path = write_report(report, out, figures=not ns.no_figures, reference=ns.reference)
+    n_done, n_diverged = sum(r.complete for r in report.runs), sum(r.diverged is not None for r in report.runs)
+    print(f'{len(report.runs)} run folders ({n_done} complete, {n_diverged} diverged); '
+          f'{len(report.notes.items)} missing/partial entries; wrote {path}')
     return 0

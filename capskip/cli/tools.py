@@ -89,40 +89,63 @@ def _step_parser() -> argparse.ArgumentParser:
     p.add_argument('--num-classes', type=int, default=100)
     p.add_argument('--budget', type=float, default=DEFAULT_BUDGET, help="the selector's budget b")
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--compile', action='store_true',
+                   help='run every mode, dense and the kept_only reference included, through torch.compile (inductor)')
     p.add_argument('--json', default=None, help='also write the rows to this JSON file')
+    p.add_argument('--record', default=None, metavar='PATH',
+                   help='also write a recorded run (command, machine, load average, settings, rows) for docs pages to show')
     p.add_argument('--phase', default='all', choices=['all', 'time', 'memory'], help=argparse.SUPPRESS)
     return p
 
 def bench_step_main(argv: list[str] | None = None) -> int:
     "`capskip bench step [--model ...] [--batch 128] [--keep 0.35,0.69] [--device cpu|cuda] [--repeats N]`"
     import torch                                      # the benchmarks import torch; docs and readme do not
-    from capskip.bench.step import RESULT_PREFIX, StepBench, format_floor, format_table, backward_floor, measure, parse_keeps, run_phase
+    from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
+                                    measure, parse_keeps, record, run_phase)
     from capskip.core import TIMING_ALLOCATOR
     p = _step_parser()
     ns = p.parse_args(list(argv or []))
     if ns.batch < 2: p.error(f'--batch must be >= 2, got {ns.batch}')
     if ns.repeats < 1 or ns.warmup < 0: p.error('--repeats must be >= 1 and --warmup >= 0')
     if ns.device.startswith('cuda') and not torch.cuda.is_available(): p.error('--device cuda but no CUDA device is available')
+    for path, flag in ((ns.json, '--json'), (ns.record, '--record')):   # before the benchmark, not after it
+        if not path: continue
+        from capskip.runs.runio import check_out_file
+        try: check_out_file(path, flag)
+        except ValueError as err: p.error(str(err))
     try: keeps = parse_keeps(ns.keep)
     except ValueError as err: print(f'capskip bench step: {err}', file=sys.stderr); return 2
     bench = StepBench(model=ns.model, batch=ns.batch, img=ns.img, num_classes=ns.num_classes, keeps=keeps, device=ns.device,
-                      repeats=ns.repeats, warmup=ns.warmup, budget=ns.budget, seed=ns.seed)
+                      repeats=ns.repeats, warmup=ns.warmup, budget=ns.budget, seed=ns.seed,
+                      compile=ns.compile)
     if ns.phase != 'all':                              # one measuring process's work, as `launch_phase` runs it
         print(RESULT_PREFIX + json.dumps(run_phase(bench, ns.phase)), flush=True)
         return 0
     print(f'capskip bench step  model {ns.model}  batch {ns.batch}  img {ns.img}  keep {ns.keep}  device {ns.device}  '
-          f'repeats {ns.repeats} (+{ns.warmup} warm-up)  threads {torch.get_num_threads()}  torch {torch.__version__}', flush=True)
+          f'repeats {ns.repeats} (+{ns.warmup} warm-up)  threads {torch.get_num_threads()}  torch {torch.__version__}  '
+          f'{"compiled (torch.compile, inductor): every mode and the reference" if ns.compile else "eager"}\n'
+          f'machine: {machine_name(ns.device)}  load average {os.getloadavg()[0]:.2f}', flush=True)
+    load_before = os.getloadavg()[0]
     rows, how = measure(bench)
+    load_after = os.getloadavg()[0]
     print(format_table(rows))
     print(format_floor(backward_floor(rows)))
-    print(f'times: ms, medians of {ns.repeats} interleaved repetitions; ratio: median per-repetition step time / dense; '
-          f'ideal (1+2k)/3 (kept_only, a reference that forwards and back-propagates only the kept rows: k); '
-          f'overhead = ratio - ideal; peak_mem: peak / dense peak ({how}).')
+    print(f'times: ms, medians of {ns.repeats} interleaved repetitions; ratio: median per-repetition step time / dense '
+          f'({"compiled" if ns.compile else "eager"} like every row); ideal: each row\'s own, (1+2k)/3 for reuse, (1+3k)/3 for reforward, '
+          f'1 for masked (it saves nothing by construction), k for kept_only (a reference that forwards and back-propagates '
+          f'only the kept rows); overhead = ratio - ideal; peak_mem: peak / dense peak ({how}).')
     print('timing allocator: ' + ' '.join(f'{k}={v}' for k, v in TIMING_ALLOCATOR.items()))
+    busy = max(load_before, load_after) > os.cpu_count() + 0.5
+    print(f'load average {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores (the bench\'s own threads '
+          'count toward it' + ('; well above the core count: other processes shared the machine and inflated these times)'
+                               if busy else ')'))
     if ns.json:
         tmp = ns.json + '.tmp'
-        with open(tmp, 'w') as f: json.dump(rows, f, indent=1)
+        with open(tmp, 'w') as f: json.dump(json_rows(rows, ns.model), f, indent=1)
         os.replace(tmp, ns.json)
+    if ns.record:
+        command = 'capskip bench step ' + ' '.join(a for a in (argv or []) if not a.startswith('--record') and a != ns.record)
+        record(ns.record, bench, rows, how, command.strip(), (load_before, load_after))
     return 0
 
 # %% ../../nbs/09c_cli_tools.ipynb #f7a4f6b2
@@ -152,7 +175,10 @@ def docs_main(argv: list[str] | None = None) -> int:
           f'{len(report.warnings)} warnings)')
     print(f'preview: python -m http.server -d {report.out}')
     if not ns.check: return 0
-    result = check_site(report.out, search_word=ns.search)
+    try: result = check_site(report.out, search_word=ns.search)
+    except (FileNotFoundError, ImportError) as e:      # no browser, or no Playwright: what to do, in one line
+        print(f'capskip docs: {e}', file=sys.stderr)
+        return 1
     print(result.summary())
     return 0 if result.ok else 1
 

@@ -13,15 +13,40 @@ from .probe import RowProbe
 from .types import Forward
 
 # %% auto #0
-__all__ = ['Executor', 'autocast_state', 'zero_missing_grads', 'Dense', 'Masked', 'Reforward']
+__all__ = ['compiled_forward', 'mark_rows_dynamic', 'Executor', 'autocast_state', 'zero_missing_grads', 'Dense', 'Masked',
+           'Reforward']
 
 # %% ../../nbs/01d_executors.ipynb #3847e4b0
+def _forward_entry(model, box, x):
+    box.value = None
+    return model(x), box.value
+
+def compiled_forward(dynamic: bool | None = None):
+    "`torch.compile` of `(model, capture, x) -> (logits, head input)`, with a code object of its own (so its own dynamo cache)."
+    code = _forward_entry.__code__
+    fn = type(_forward_entry)(code.replace(co_name=code.co_name), _forward_entry.__globals__, 'capskip_forward')
+    return torch.compile(fn, dynamic=dynamic)
+
+def mark_rows_dynamic(*tensors: torch.Tensor) -> None:
+    "Tell `torch.compile` that dim 0 (the kept rows) varies from step to step: one graph for every kept count."
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.ndim: torch._dynamo.maybe_mark_dynamic(t, 0)
+
 class Executor:
     "One execution mode: `forward(x) -> Forward` of every row, `backward(fwd, grad_logits, keep, kept)` of the kept rows."
     mode: str = ''
 
-    def __init__(self, model: nn.Module, capture: HeadCapture, probe: RowProbe):
-        self.model, self.capture, self.probe = model, capture, probe
+    def __init__(self, model: nn.Module, capture: HeadCapture, probe: RowProbe, compile: bool = False):
+        self.model, self.capture, self.probe, self.compile = model, capture, probe, bool(compile)
+        self._compiled = compiled_forward() if self.compile else None
+
+    def run_model(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "One forward of `model` on `x` (compiled when `compile`): the logits and the head's input."
+        if self._compiled is None: return self.model(x), self.capture.take()
+        logits, feats = self._compiled(self.model, self.capture, x)
+        self.capture.clear()
+        if feats is None: raise RuntimeError('the head was not called in the forward: pass head=<final affine module>')
+        return logits, feats
 
     def forward(self, x: torch.Tensor) -> Forward: raise NotImplementedError
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> None: raise NotImplementedError
@@ -35,14 +60,14 @@ def zero_missing_grads(model: nn.Module) -> None:
     for p in model.parameters():
         if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
+
 # %% ../../nbs/01d_executors.ipynb #aa6be2f1
 class Dense(Executor):
     "Plain autograd: forward with autograd, backward over all rows (upstream gradient 0 on rows outside `keep`)."
     mode = 'dense'
 
     def forward(self, x: torch.Tensor) -> Forward:
-        logits = self.model(x)
-        return Forward(logits, self.capture.take(), self.mode)
+        return Forward(*self.run_model(x), self.mode)
 
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> None:
         if not fwd.logits.requires_grad:
@@ -62,15 +87,16 @@ class Reforward(Executor):
     def forward(self, x: torch.Tensor) -> Forward:
         self.probe.check(x)
         with torch.no_grad():
-            logits = self.model(x)
-        return Forward(logits, self.capture.take(), self.mode, state=(x, autocast_state(x.device.type)))
+            logits, feats = self.run_model(x)
+        return Forward(logits, feats, self.mode, state=(x, autocast_state(x.device.type)))
 
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> None:
         x, (amp_on, amp_dtype) = fwd.state
         fwd.state = None
         if kept == 0: return zero_missing_grads(self.model)
         rows = keep.nonzero().squeeze(1)
+        xk = x.index_select(0, rows)
+        if self.compile: mark_rows_dynamic(xk)
         with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_on):
-            logits = self.model(x.index_select(0, rows))
-        self.capture.clear()
+            logits, _ = self.run_model(xk)
         logits.backward(grad_logits.index_select(0, rows).to(logits.dtype))

@@ -19,14 +19,16 @@ from ..registry import Registry
 # %% auto #0
 __all__ = ['EXECUTORS', 'ce_grad_logits', 'Engine']
 
-# %% ../../nbs/01g_facade.ipynb #d0a22e6a
+# %% ../../nbs/01g_facade.ipynb #56c95414
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
                    residuals: torch.Tensor | None = None) -> torch.Tensor:
     "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known)."
     if logits.ndim != 2: raise ValueError(f'logits must be [B, C], got shape {tuple(logits.shape)}')
     B = logits.shape[0]
-    if targets.shape != (B,): raise ValueError(f'targets must be [B]={B} class indices, got shape {tuple(targets.shape)}')
+    if tuple(targets.shape) not in ((B,), tuple(logits.shape)):
+        raise ValueError(f'targets must be [B]={B} class indices or [B, C]={list(logits.shape)} class probabilities, '
+                         f'got shape {tuple(targets.shape)}')
     if not 0.0 <= label_smoothing < 1.0: raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
     den = float(B if denominator is None else denominator)
     if den <= 0: raise ValueError(f'denominator must be > 0, got {denominator}')
@@ -37,20 +39,24 @@ def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: tor
              else row_weights.detach().float() / den)
     return residuals.float() * scale[:, None]
 
-# %% ../../nbs/01g_facade.ipynb #e09ad01f
+# %% ../../nbs/01g_facade.ipynb #62225b99
 EXECUTORS = Registry('execution mode', lister='`capskip.engine.EXECUTORS.list()`')
 for _executor in (Dense, Masked, Reforward, Reuse): EXECUTORS.add(_executor.mode, _executor)
 
-# %% ../../nbs/01g_facade.ipynb #ee2ef89c
+# %% ../../nbs/01g_facade.ipynb #dc26e897
 class Engine:
-    "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`."
-    def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None):
+    "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`; `compile=True` runs the graphs through `torch.compile`."
+    def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None, compile: bool = False):
         if not isinstance(model, nn.Module): raise TypeError(f'model must be an nn.Module, got {type(model).__name__}')
         if mode not in EXECUTORS: raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-        self.model, self.mode = model, mode
-        self.head = resolve_head(model, head)
-        self.capture = HeadCapture(self.head)
-        self.executor = EXECUTORS.create(mode, model, self.capture, RowProbe(model))
+        self.model, self.mode, self.compile = model, mode, bool(compile)
+        self.capture = HeadCapture(resolve_head(model, head), model, explicit=head is not None)
+        self.executor = EXECUTORS.create(mode, model, self.capture, RowProbe(model), compile=self.compile)
+
+    @property
+    def head(self) -> nn.Module:
+        "The head: a guess (the last registered `nn.Linear`) until the first forward finds and verifies it."
+        return self.capture.head
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -64,11 +70,17 @@ class Engine:
         "One forward of all rows: `.logits` and `.features` from the same pass."
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] == 0:
             raise ValueError(f'x must be a tensor with a non-empty batch dimension first, got {getattr(x, "shape", type(x))}')
-        return self.executor.forward(x)
+        self.capture.verify(x)                           # once per input signature: the head is found and verified
+        fwd = self.executor.forward(x)
+        fwd.autograd = torch.is_grad_enabled()
+        return fwd
 
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor) -> int:
         "Accumulate into `.grad` the gradient for upstream `grad_logits` on the rows where `keep`; returns the kept count."
         if fwd.used: raise RuntimeError('this Forward was already back-propagated: run engine.forward again')
+        if not fwd.autograd:
+            raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
+                               'run engine.forward with gradients enabled')
         B = fwd.logits.shape[0]
         if grad_logits.shape != fwd.logits.shape:
             raise ValueError(f'grad_logits must have the logits shape {tuple(fwd.logits.shape)}, got {tuple(grad_logits.shape)}')

@@ -5,21 +5,26 @@
 # %% ../../nbs/01f_reuse.ipynb #514b4a6a
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
-from ._aot import Traced, eval_sym, guards_hold, log, probe_traced, run_forward, trace
-from .executors import Executor, Reforward, zero_missing_grads
+from ._aot import Traced, eval_sym, guards_hold, log, probe_traced, run_forward, take_rows, trace
+from .executors import Executor, Reforward, mark_rows_dynamic, zero_missing_grads
+from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
+from .layouts import is_rows
 from .probe import RowProbe
 from .types import Forward, RowDependenceError
 
 # %% auto #0
-__all__ = ['ReuseState', 'cached_traces', 'clear_traces', 'Reuse']
+__all__ = ['ReuseState', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'Reuse']
 
 # %% ../../nbs/01f_reuse.ipynb #0f34d0dc
 @dataclass
@@ -57,6 +62,18 @@ def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
         if p.grad is None: p.grad = g.detach().to(p.dtype)
         else: p.grad.add_(g.to(p.grad.dtype))
 
+# %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
+def saved_bytes(state: ReuseState, kept: int) -> tuple[int, int]:
+    "(bytes of the row-carrying values a reuse forward saved, bytes its sliced backward gathers at `kept` rows: their kept rows)."
+    storages, gathered = {}, 0
+    for spec in state.traced.bw_inputs:
+        t = state.saved[spec[1]] if spec[0] == 'saved' else None
+        if not isinstance(t, torch.Tensor) or not is_rows(spec[2]): continue
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        gathered += t.numel() * t.element_size() * kept // state.batch
+    return sum(storages.values()), (0 if state.traced.fallback_reason else gathered)
+
+
 # %% ../../nbs/01f_reuse.ipynb #9d8d5957
 _TRACES: 'weakref.WeakKeyDictionary[nn.Module, dict]' = weakref.WeakKeyDictionary()   # model -> {signature: Traced | reason}
 
@@ -68,15 +85,45 @@ def clear_traces(model: nn.Module) -> None:
     "Forget `model`'s traced graphs (after changing hyper-parameters such as dropout rates, which the cache key does not see)."
     _TRACES.pop(model, None)
 
+# %% ../../nbs/01f_reuse.ipynb #c0a1b2d3
+def _compiled_boxed(gm: fx.GraphModule | None):
+    "`torch.compile` of a backward graph written for the boxed calling convention, called the same way (`graph(args)`)."
+    if gm is None: return None
+    plain = copy.deepcopy(gm)
+    plain.graph.set_codegen(fx.graph.CodeGen())          # positional arguments: what dynamo traces
+    plain.recompile()
+    fn = torch.compile(plain, dynamic=None)
+    def run(args: list):
+        own = list(args)
+        args.clear()                                     # the caller's list is emptied, as the boxed graph does
+        return fn(*own)
+    return run
+
+def compile_traced(traced: Traced) -> Traced:
+    "A copy of `traced` whose forward and backward graphs run through `torch.compile` (inductor: the kept-row gathers fuse into their consumers where the consumer is a generated kernel)."
+    return dataclasses.replace(traced, fw=torch.compile(traced.fw, dynamic=None), bw=_compiled_boxed(traced.bw),
+                               bw_full=_compiled_boxed(traced.bw_full))
+
+
 # %% ../../nbs/01f_reuse.ipynb #ea844c5b
 class Reuse(Executor):
     "Traced forward of every row keeping its activations; the backward graph at batch size k on the kept rows (fallback: `fallback`)."
     mode = 'reuse'
 
-    def __init__(self, model: nn.Module, capture: HeadCapture, probe: RowProbe, fallback: Executor | None = None):
-        super().__init__(model, capture, probe)
-        self.fallback = Reforward(model, capture, probe) if fallback is None else fallback
+    def __init__(self, model: nn.Module, capture: HeadCapture, probe: RowProbe, fallback: Executor | None = None,
+                 compile: bool = False):
+        super().__init__(model, capture, probe, compile)
+        self.fallback = Reforward(model, capture, probe, compile) if fallback is None else fallback
         self.cache: dict = _TRACES.setdefault(model, {})
+        self.twins: dict = {}                            # id(Traced) -> its compiled twin (compile=True)
+        self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
+
+    def runnable(self, traced: Traced) -> Traced:
+        "`traced` itself, or (compile=True) its compiled twin, made once."
+        if not self.compile: return traced
+        twin = self.twins.get(id(traced))
+        if twin is None: twin = self.twins[id(traced)] = (traced, compile_traced(traced))
+        return twin[1]
 
     def traced_for(self, x: torch.Tensor):
         "The traced graphs for `x` (traced and probed on first use, retraced if a shape guard fails), or a fallback reason."
@@ -101,11 +148,23 @@ class Reuse(Executor):
         entries.append(traced)
         return traced
 
+    def sliced_backward(self, traced: Traced, saved: list, B: int) -> tuple:
+        "The sliced backward graph and its extra inputs: eagerly, the one gathering once per shared storage when these saved values allow it."
+        if self.compile: return traced.bw, []
+        key = (id(traced), B)
+        if key not in self.grouped:
+            groups = shared_gathers(traced.bw_inputs, saved, B)
+            graph = grouped_backward(traced.bw, groups, (take_rows, torch.ops.aten.index_select.default)) if groups else None
+            self.grouped[key] = (traced, graph, groups) if graph is not None else None
+        plan = self.grouped[key]
+        blocks = group_args(plan[2], traced.bw_inputs, saved, B) if plan else None
+        return (traced.bw, []) if blocks is None else (plan[1], blocks)
+
     def forward(self, x: torch.Tensor) -> Forward:
         traced = self.traced_for(x)
         if isinstance(traced, str):                      # logged fallback
             return self.fallback.forward(x)
-        B = x.shape[0]
+        B, traced = x.shape[0], self.runnable(traced)
         logits, feats, saved = run_forward(traced, self.model, x if B >= 2 else torch.cat([x, x]))
         return Forward(logits[:B], feats[:B], self.mode, state=ReuseState(traced, saved, max(B, 2)))
 
@@ -125,7 +184,9 @@ class Reuse(Executor):
                 log.warning('capskip reuse: a shape guard fails at %d kept rows; backward over all %d rows', rows.numel(), B)
                 sliced = False
         if sliced:
-            graph, args = traced.bw, _bw_args(traced, traced.bw_inputs, st.saved, tangent, rows)
+            graph, blocks = self.sliced_backward(traced, st.saved, B)
+            args = _bw_args(traced, traced.bw_inputs, st.saved, tangent, rows) + blocks
+            if self.compile: mark_rows_dynamic(*(a for a, spec in zip(args, traced.bw_inputs) if spec[0] != 'saved'))
         else:                                            # all rows (every row kept, or slicing impossible): unsliced graph
             full = torch.zeros((B,) + tuple(grad_logits.shape[1:]), dtype=grad_logits.dtype, device=grad_logits.device)
             full[:keep.shape[0]] = torch.where(keep[:, None], grad_logits, torch.zeros_like(grad_logits))

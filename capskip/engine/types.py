@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['MODES', 'Forward', 'RowDependenceError', 'row_dependence_message']
+__all__ = ['MODES', 'FIXES', 'Forward', 'RowDependenceError', 'row_dependence_message', 'row_dependence_error']
 
 # %% ../../nbs/01a_types.ipynb #1c5e2488
 MODES = ('dense', 'masked', 'reforward', 'reuse')
 
-# %% ../../nbs/01a_types.ipynb #b5f1e4fa
+# %% ../../nbs/01a_types.ipynb #2297067e
 @dataclass
 class Forward:
     "One forward of every row: `logits` [B, C] and `features` [B, d] (the head's input), plus what the backward needs."
@@ -25,14 +25,35 @@ class Forward:
     mode: str
     state: Any = field(default=None, repr=False)   # autograd graph, inputs, or saved activations (mode-specific)
     used: bool = False
+    autograd: bool = True                          # whether gradients were enabled during the forward
 
-# %% ../../nbs/01a_types.ipynb #3730e2b5
+# %% ../../nbs/01a_types.ipynb #625d649f
 class RowDependenceError(ValueError):
-    "Rows of the batch are not independent, so `reforward`/`reuse` would give a wrong gradient."
+    "Rows of the batch are not independent, so `reforward`/`reuse` would give a wrong gradient; `where` and `cause` say why."
+    def __init__(self, message: str, where: str = '', cause: str = 'other'):
+        super().__init__(message)
+        self.where, self.cause = where, cause
 
-def row_dependence_message(where: str, detail: str = '') -> str:
-    "The refusal text: what depends on other rows, and the ways out."
+FIXES = {
+    'batchnorm': ('BatchNorm in train mode normalises each row with statistics of the whole batch. Fix: convert the '
+                  'BatchNorm layers with capskip.batchnorm_to_groupnorm(model), or keep them in eval mode (fixed '
+                  'running statistics)'),
+    'sequence_first': ('a sequence-first layer (batch_first=False) reads its input as [N, B, C], so a [B, N, C] input '
+                       'makes it attend across the batch. Fix: build it with batch_first=True, or feed it '
+                       'x.transpose(0, 1) and transpose its output back'),
+    'attention': ('attention runs across the batch dimension. Fix: keep the batch out of the attended (sequence) '
+                  'dimension, e.g. [B, heads, N, d]'),
+    'buffers': ('the forward updates buffers in place (statistics of the batch kept across steps, e.g. BatchNorm running '
+                'statistics). Fix: put those layers in eval mode, or convert BatchNorm with capskip.batchnorm_to_groupnorm(model)'),
+    'other': 'an op combines values of different rows (e.g. a statistic over the batch). Fix: compute it per row',
+}
+
+def row_dependence_message(where: str, detail: str = '', cause: str = 'other') -> str:
+    "The refusal text: what depends on other rows, why (`cause`, a key of `FIXES`), the fix for that cause and the way out."
     return (f'rows of the batch are not independent in {where}' + (f' ({detail})' if detail else '') +
-            ': skipping rows in the backward would give a wrong gradient. Use mode="masked" (exact, no saving), '
-            'or convert BatchNorm layers with capskip.batchnorm_to_groupnorm(model), '
-            'or make sequence models batch-first.')
+            f': {FIXES.get(cause, FIXES["other"])}; or use mode="masked" (exact, no saving). '
+            'Skipping rows in the backward would otherwise give a wrong gradient.')
+
+def row_dependence_error(where: str, detail: str = '', cause: str = 'other') -> RowDependenceError:
+    "The refusal, with its message (`row_dependence_message`), `where` and `cause` attached."
+    return RowDependenceError(row_dependence_message(where, detail, cause), where, cause if cause in FIXES else 'other')

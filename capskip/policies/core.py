@@ -134,9 +134,9 @@ class BasePolicy:
     steps_every_batch = True      # False for policies that pool rows across forwards (Selective-Backprop)
     def __init__(self, model: nn.Module, *, mode: str = 'reuse', head: nn.Module | None = None, label_smoothing: float = 0.0,
                  seed: int = 0, rank: int = 0, world_size: int = 1, final_batch: str | None = None,
-                 min_final_batch: int | None = None, engine: Engine | None = None):
+                 min_final_batch: int | None = None, engine: Engine | None = None, compile: bool = False):
         shard_rows(torch.arange(1), rank, world_size)            # validates rank / world_size
-        self.engine = Engine(model, mode=mode, head=head) if engine is None else engine
+        self.engine = Engine(model, mode=mode, head=head, compile=compile) if engine is None else engine
         self.model, self.label_smoothing, self.seed = model, float(label_smoothing), int(seed)
         self.rank, self.world_size = rank, world_size
         self.final_batch = self.final_batch if final_batch is None else final_batch

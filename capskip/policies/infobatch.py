@@ -39,11 +39,11 @@ def epoch_rows(scores: Tensor, epoch: int, num_epochs: int, seed: int, ratio: fl
     kept = (~pruned).nonzero().squeeze(1)
     return kept[torch.randperm(len(kept), generator=g)], weights, int(pruned.sum())
 
-# %% ../../nbs/02e_infobatch.ipynb #9d46e2c7
+# %% ../../nbs/02e_infobatch.ipynb #c055797c
 class InfoBatchSampler(torch.utils.data.Sampler):
     "InfoBatch as a batch sampler: `set_epoch(e)`, iterate batches of row indices, `weights_for(idx)`, `update(idx, losses)`."
     def __init__(self, n_rows: int, batch_size: int, num_epochs: int, ratio: float = INFOBATCH_RATIO,
-                 delta: float = INFOBATCH_DELTA, seed: int = 0, rank: int = 0, world_size: int = 1, final_batch: str = 'merge',
+                 delta: float = INFOBATCH_DELTA, seed: int = 0, rank: int = 0, world_size: int = 1, final_batch: str = 'keep',
                  min_final_batch: int | None = None, prune=infobatch_prune):
         if not isinstance(n_rows, int) or n_rows < 1: raise ValueError(f'n_rows must be an int ≥ 1, got {n_rows!r}')
         check_ratio(ratio); shard_rows(torch.arange(1), rank, world_size)
@@ -90,14 +90,14 @@ class InfoBatchDataset(torch.utils.data.Dataset):
         item = self.dataset[i]
         return (*item, self.sampler.weights[i]) if isinstance(item, tuple) else (item, self.sampler.weights[i])
 
-# %% ../../nbs/02e_infobatch.ipynb #5daf7a9b
+# %% ../../nbs/02e_infobatch.ipynb #e2d7173f
 INNER_SCHEDULES = ('throughout', 'ib_then_capskip', 'capskip_late')
 
 @POLICIES.register('infobatch', preset={'inner': None})
 class InfoBatchPolicy(BasePolicy):
     "InfoBatch, optionally with CAPSkip inside (weighted, unweighted, excluding up-weighted rows, or time-switched)."
     name = 'infobatch'
-    final_batch = 'merge'
+    final_batch = 'keep'      # the paper's runs kept tiny final batches; 'merge' is our guard (policy_kw.final_batch)
     prune = staticmethod(infobatch_prune)
     def __init__(self, model: nn.Module, *, ratio: float = INFOBATCH_RATIO, delta: float = INFOBATCH_DELTA,
                  inner: str | None = None, budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False, schedule: str = 'throughout',
@@ -118,6 +118,12 @@ class InfoBatchPolicy(BasePolicy):
         self.inner_on = self.core is not None and (self.schedule == 'throughout' or second_half)
         self.stats.add('inner_epochs', float(self.inner_on)); self.stats.add('pruning_epochs', float(pruning and epoch < int(self.delta * self.num_epochs)))
         return epoch_rows(self.scores, epoch, self.num_epochs, self.seed, self.ratio, self.delta, self.prune, pruning)
+
+    def plan_epoch(self, epoch: int, num_epochs: int, n_rows: int, batch_size: int) -> EpochPlan:
+        "The pruned, shuffled epoch; its counters record the final batch's rows (`final_batch_rows`)."
+        plan = super().plan_epoch(epoch, num_epochs, n_rows, batch_size)
+        self.stats.add('final_batch_rows', float(len(plan.batches[-1])) if plan.batches else 0.0)
+        return plan
 
     def rule(self): return self.core.decide if self.inner_on else None
 
@@ -145,7 +151,7 @@ for _name, _preset in (('infobatch_capskip', {'inner': 'capskip'}),
                        ('ib_plus_capskip_late', {'inner': 'capskip', 'schedule': 'capskip_late'})):
     POLICIES.register(_name, preset=_preset)(InfoBatchPolicy)
 
-# %% ../../nbs/02e_infobatch.ipynb #0b6ef810
+# %% ../../nbs/02e_infobatch.ipynb #3337962c
 def check_ratio(ratio: float) -> float:
     "A prune ratio must lie in [0, 1) (survivors are weighted 1/(1 − r))."
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:

@@ -22,11 +22,19 @@ __all__ = ['resolve_device', 'build_splits', 'check_pretrained', 'build_model', 
 
 # %% ../../nbs/05g_build.ipynb #a941ba24
 def resolve_device(name: str = 'auto') -> torch.device:
-    "`'auto'` -> CUDA when available, else CPU; otherwise the named device (checked)."
+    "`'auto'` -> CUDA when available, else CPU; otherwise the named device, checked to exist on this machine."
     if name == 'auto': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    device = torch.device(name)
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f'device {name!r} requested but CUDA is not available: use --device cpu')
+    try: device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {name!r} is not a device name: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == 'cpu': return device
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, 'is_available') or not backend.is_available():
+        raise ValueError(f'device {name!r} requested but {device.type.upper()} is not available here: use --device cpu')
+    count = backend.device_count() if hasattr(backend, 'device_count') else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f'device {name!r} requested but only {count} {device.type} device(s) are visible '
+                         f'({device.type}:0..{device.type}:{count - 1})')
     return device
 
 def build_splits(config: TrainConfig):
@@ -83,7 +91,7 @@ def build_policy(config: TrainConfig, model: torch.nn.Module, dist=None):
     kw = policy_kwargs(config)
     if dist is not None: kw.update(rank=dist.rank, world_size=dist.world_size)
     return create_policy(config.arm, model, mode=config.mode, label_smoothing=config.label_smoothing,
-                         seed=config.seed, **kw)
+                         seed=config.seed, compile=config.compile, **kw)
 
 # %% ../../nbs/05g_build.ipynb #5fa21aae
 def autocast_context(device: torch.device, amp: str):
@@ -93,10 +101,10 @@ def autocast_context(device: torch.device, amp: str):
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, amp: str = 'none',
-             num_workers: int = 0) -> float:
-    "Top-1 accuracy of `model` on `dataset` (rows `(x, y, idx)`)."
+             num_workers: int = 0) -> float | None:
+    "Top-1 accuracy of `model` on `dataset` (rows `(x, y, idx)`); None for an empty split (e.g. no validation rows)."
     n = len(dataset)
-    if n == 0: return float('nan')
+    if n == 0: return None
     batches = list(torch.arange(n).split(batch_size))
     was_training = model.training
     model.eval()

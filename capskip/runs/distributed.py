@@ -72,6 +72,16 @@ class DistInfo:
         for t in list(model.parameters()) + list(model.buffers()):
             tdist.broadcast(t.data, src=0)
 
+    def reduce_min(self, values: torch.Tensor) -> torch.Tensor:
+        "Element-wise minimum over processes (the runner's first non-finite step: every process stops together)."
+        out = values.detach().clone().to(self.device if self.device.type == 'cuda' else 'cpu')
+        tdist.all_reduce(out, op=tdist.ReduceOp.MIN)
+        return out.to(values.device)
+
+    def broadcast_object(self, value):
+        "Process 0's `value` on every process (e.g. whether it could lock the run folder)."
+        return _broadcast_object(value, self)
+
     def barrier(self) -> None: tdist.barrier()
 
     def close(self) -> None:

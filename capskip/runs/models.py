@@ -138,13 +138,14 @@ def vit_tiny(num_classes: int = 100, img_size: int = 32, drop_path_rate: float =
 
 
 @MODELS.register('digits_cnn')
-def digits_cnn(num_classes: int = 10, in_chans: int = 1, width: int = 32) -> nn.Module:
-    "A small row-independent CNN: three 3×3 conv + GroupNorm + ReLU blocks (strides 1, 2, 2), average pool, linear head."
+def digits_cnn(num_classes: int = 10, in_chans: int = 1, width: int = 32, pretrained: str | Path | None = None) -> nn.Module:
+    "A small row-independent CNN: three 3×3 conv + GroupNorm + ReLU blocks (strides 1, 2, 2), average pool, linear head; `pretrained`: a local state dict of the same CNN (a warm start)."
     def block(c_in: int, c_out: int, stride: int) -> list[nn.Module]:
         return [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
                 nn.GroupNorm(largest_divisor(c_out, 8), c_out), nn.ReLU(inplace=True)]
-    return nn.Sequential(*block(in_chans, width, 1), *block(width, 2 * width, 2), *block(2 * width, 2 * width, 2),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes))
+    model = nn.Sequential(*block(in_chans, width, 1), *block(width, 2 * width, 2), *block(2 * width, 2 * width, 2),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes))
+    return load_pretrained(model, pretrained) if pretrained else model
 
 # %% ../../nbs/04_models.ipynb #43837f6a
 PASS_THROUGHS = ('timm:<name>', 'torchvision:<name>')

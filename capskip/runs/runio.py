@@ -5,13 +5,16 @@
 # %% ../../nbs/05e_runio.ipynb #335574f8
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
 import json
 import math
 import os
 import platform
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,10 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['atomic_write_bytes', 'to_json', 'write_json', 'read_json', 'write_jsonl', 'read_jsonl', 'save_checkpoint',
-           'load_checkpoint', 'generator_state', 'set_generator_state', 'run_dir', 'is_finished', 'git_commit',
-           'device_name', 'run_metadata']
+__all__ = ['EXIT_BUSY', 'LOCK_NAME', 'atomic_write_bytes', 'to_json', 'write_json', 'read_json', 'write_jsonl', 'read_jsonl',
+           'save_checkpoint', 'load_checkpoint', 'generator_state', 'set_generator_state', 'run_dir', 'run_status',
+           'is_finished', 'git_commit', 'device_name', 'run_metadata', 'RunLockedError', 'lock_owner', 'RunLock',
+           'check_out_dir', 'check_out_file']
 
 # %% ../../nbs/05e_runio.ipynb #325292d4
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -114,12 +118,20 @@ def run_dir(out: str | Path, recipe: str, arm: str, seed: int, epochs: int) -> P
             raise ValueError(f'{name} {value!r} cannot name a folder: use a plain name without "/"')
     return Path(out) / recipe / arm / f'seed{int(seed)}' / f'ep{int(epochs)}'
 
+def run_status(folder: str | Path) -> str:
+    """`'complete'` or `'diverged'` (a `final.json` says so: the run is over and never recomputed), `'partial'`
+    (a checkpoint or logged epochs, no result yet) or `'new'`."""
+    folder = Path(folder)
+    try: final = read_json(folder / 'final.json') if (folder / 'final.json').exists() else None
+    except (ValueError, OSError): final = None                    # unreadable: not a result
+    if isinstance(final, dict) and final.get('status') == 'diverged': return 'diverged'
+    if isinstance(final, dict) and final.get('complete') is True: return 'complete'
+    if (folder / 'checkpoint.pt').exists() or (folder / 'results.jsonl').exists(): return 'partial'
+    return 'new'
+
 def is_finished(folder: str | Path) -> bool:
     "True when the run folder holds a `final.json` marked complete."
-    final = Path(folder) / 'final.json'
-    if not final.exists(): return False
-    try: return bool(read_json(final).get('complete'))
-    except (json.JSONDecodeError, OSError): return False
+    return run_status(folder) == 'complete'
 
 def git_commit(start: str | Path | None = None) -> str | None:
     "The git commit of the checkout holding `start` (default: this package), or None outside git."
@@ -150,3 +162,133 @@ def run_metadata(seed: int, device: str | torch.device) -> dict:
             'hostname': socket.gethostname(), 'platform': platform.platform(), 'python': platform.python_version(),
             'versions': {m: _version(m) for m in ('capskip', 'torch', 'torchvision', 'timm', 'numpy')},
             'cuda': torch.version.cuda, 'start_time': _dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}
+
+# %% ../../nbs/05e_runio.ipynb #c5e1f0a2
+EXIT_BUSY = 75          # sysexits.h EX_TEMPFAIL: the run folder is in use by another process; try again later
+LOCK_NAME = '.lock'
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_BUSY = {errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK}
+
+class RunLockedError(RuntimeError):
+    "Another process is writing this run folder."
+
+def _owner_text() -> bytes:
+    return (json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'command': ' '.join(sys.argv[:8]),
+                        'since': _dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}) + '\n').encode()
+
+def lock_owner(folder: str | Path) -> dict | None:
+    "What the lock file of `folder` says about its holder (None when absent or unreadable)."
+    try: owner = json.loads((Path(folder) / LOCK_NAME).read_text(encoding='utf-8'))
+    except (OSError, ValueError): return None
+    return owner if isinstance(owner, dict) else None
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0: return False
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except OSError: return True                 # exists, owned by someone else
+    return True
+
+class RunLock:
+    "Exclusive, non-blocking lock of one run folder (`FOLDER/.lock`); use as a context manager or acquire/release."
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path, self._fd, self._held = self.folder / LOCK_NAME, None, False
+
+    def _refuse(self) -> RunLockedError:
+        o = lock_owner(self.folder) or {}
+        who = (f"pid {o.get('pid')} on {o.get('host')} since {o.get('since')} ({o.get('command')})" if o.get('pid')
+               else 'owner not yet recorded')
+        return RunLockedError(f'{self.folder} is being written by another process ({who}); wait for it to finish or '
+                              'use another --out (a lock whose process has ended is recovered by itself)')
+
+    def acquire(self) -> 'RunLock':
+        "Take the lock or raise `RunLockedError` at once."
+        if self._held: return self
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try: import fcntl
+        except ImportError: return self._acquire_exclusive()
+        for _ in range(10):
+            try: fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:              # a releasing holder removed the empty folder meanwhile
+                self.folder.mkdir(parents=True, exist_ok=True); continue
+            try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _BUSY: raise self._refuse() from None
+                if e.errno in _NO_FLOCK: return self._acquire_exclusive()
+                raise
+            try: same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError: same = False
+            if same:                               # still the file at the path (not one removed by a releasing holder)
+                os.ftruncate(fd, 0); os.write(fd, _owner_text())
+                self._fd, self._held = fd, True
+                return self
+            os.close(fd)
+        raise self._refuse()
+
+    def _acquire_exclusive(self) -> 'RunLock':
+        for _ in range(2):
+            try: fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                o = lock_owner(self.folder)
+                if o is None or o.get('host') != socket.gethostname() or _alive(o.get('pid')): raise self._refuse() from None
+                with contextlib.suppress(FileNotFoundError): os.unlink(self.path)   # stale: its process has ended
+                continue
+            os.write(fd, _owner_text()); os.close(fd)
+            self._held = True
+            return self
+        raise self._refuse()
+
+    def release(self, prune: int = 0) -> None:
+        """Remove the lock file and unlock (in that order); a no-op when not held. `prune` > 0 also removes the run
+        folder and up to `prune - 1` parents while they are empty (a run that failed before writing anything)."""
+        if not self._held: return
+        with contextlib.suppress(FileNotFoundError): os.unlink(self.path)
+        if self._fd is not None: os.close(self._fd)
+        self._fd, self._held = None, False
+        folder = self.folder
+        for _ in range(prune):
+            try: folder.rmdir()
+            except OSError: break                  # not empty (or gone): stop
+            folder = folder.parent
+
+    @property
+    def held(self) -> bool: return self._held
+    def __enter__(self) -> 'RunLock': return self.acquire()
+    def __exit__(self, *exc) -> None: self.release()
+
+# %% ../../nbs/05e_runio.ipynb #e4f2a9c2
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent: path = path.parent
+    return path
+
+def check_out_dir(path: str | Path, flag: str = '--out', create: bool = True) -> Path:
+    "`path` as a folder this process can write into (created when `create`), or a `ValueError` saying why not."
+    path = Path(path)
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise ValueError(f'{flag} {path}: {base} is an existing file, not a folder; choose a folder path')
+    if not create:
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise ValueError(f'{flag} {path}: {base} is not writable by this user; choose a folder you can write to')
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path): pass
+    except OSError as e:
+        raise ValueError(f'{flag} {path} cannot be written ({e.strerror or e}); choose a folder you can write to') from None
+    return path
+
+def check_out_file(path: str | Path, flag: str = '--json') -> Path:
+    "`path` as a file this process can create or replace (its folder exists and is writable), or a `ValueError` saying why not."
+    path = Path(path)
+    if path.is_dir(): raise ValueError(f'{flag} {path} is a folder: give a file name')
+    folder = path.parent
+    if not folder.is_dir(): raise ValueError(f'{flag} {path}: the folder {folder} does not exist (or is a file)')
+    try:
+        with tempfile.TemporaryFile(dir=folder): pass
+    except OSError as e:
+        raise ValueError(f'{flag} {path} cannot be written ({e.strerror or e}); choose a place you can write to') from None
+    return path

@@ -14,8 +14,8 @@ import torch
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['LR_SCHEDULES', 'scaled_lr', 'onecycle_lr', 'warmup_cosine_lr', 'constant_lr', 'step_progress', 'lr_at', 'make_sgd',
-           'set_lr', 'clip_grad_norm']
+__all__ = ['LR_SCHEDULES', 'scaled_lr', 'onecycle_lr', 'onecycle_momentum', 'warmup_cosine_lr', 'constant_lr', 'step_progress',
+           'lr_at', 'momentum_at', 'make_sgd', 'set_lr', 'clip_grad_norm']
 
 # %% ../../nbs/05d_schedules.ipynb #158cee56
 def scaled_lr(base_lr: float, batch_size: int, base_batch: int) -> float:
@@ -25,7 +25,7 @@ def scaled_lr(base_lr: float, batch_size: int, base_batch: int) -> float:
         raise ValueError(f'batch_size and base_batch must be positive, got {batch_size} and {base_batch}')
     return base_lr * batch_size / base_batch
 
-# %% ../../nbs/05d_schedules.ipynb #2ddc9284
+# %% ../../nbs/05d_schedules.ipynb #7f1cc70c
 def _check_progress(progress: float) -> float:
     if not (0.0 <= progress <= 1.0) or math.isnan(progress):
         raise ValueError(f'progress must be in [0, 1] (fraction of the run done), got {progress}')
@@ -46,6 +46,16 @@ def onecycle_lr(progress: float, peak_lr: float, pct_start: float = 0.3, div_fac
     if p < pct_start: return _cos_anneal(initial, peak_lr, p / pct_start)
     return _cos_anneal(peak_lr, final, (p - pct_start) / (1.0 - pct_start))
 
+def onecycle_momentum(progress: float, pct_start: float = 0.3, base_momentum: float = 0.85,
+                      max_momentum: float = 0.95) -> float:
+    "OneCycleLR's cycled momentum at `progress`: cosine down from `max_momentum` to `base_momentum` at `pct_start`, then back up."
+    p = _check_progress(progress)
+    if not 0.0 < pct_start < 1.0: raise ValueError(f'pct_start must be in (0, 1), got {pct_start}')
+    if not 0.0 <= base_momentum <= max_momentum < 1.0:
+        raise ValueError(f'need 0 <= base_momentum <= max_momentum < 1, got {base_momentum} and {max_momentum}')
+    if p < pct_start: return _cos_anneal(max_momentum, base_momentum, p / pct_start)
+    return _cos_anneal(base_momentum, max_momentum, (p - pct_start) / (1.0 - pct_start))
+
 @LR_SCHEDULES.register('warmup_cosine')
 def warmup_cosine_lr(progress: float, peak_lr: float, warmup_frac: float = 0.05, final_lr: float = 0.0) -> float:
     "Linear warm-up from 0 to `peak_lr` over `warmup_frac` of the run, then cosine decay to `final_lr`."
@@ -60,7 +70,7 @@ def constant_lr(progress: float, peak_lr: float) -> float:
     _check_progress(progress)
     return peak_lr
 
-# %% ../../nbs/05d_schedules.ipynb #a03850a2
+# %% ../../nbs/05d_schedules.ipynb #c3157e8a
 def step_progress(epoch: int, step: int, steps_in_epoch: int, num_epochs: int) -> float:
     "Mid-step fraction of the run done: `(epoch + (step + 0.5) / steps_in_epoch) / num_epochs` (0-based epoch, step)."
     if not (0 <= epoch < num_epochs and 0 <= step < steps_in_epoch):
@@ -74,7 +84,15 @@ def lr_at(config: dict, peak_lr: float, progress: float) -> float:
     names = list(inspect.signature(schedule).parameters)[2:]        # after (progress, peak_lr)
     return schedule(progress, peak_lr, **{k: config[k] for k in names if k in config})
 
-# %% ../../nbs/05d_schedules.ipynb #76dc00bd
+def momentum_at(config: dict, progress: float) -> float | None:
+    "The scheduled momentum at `progress` when `config['cycle_momentum']` (one-cycle only), else None (momentum stays fixed)."
+    if not config.get('cycle_momentum'): return None
+    if config.get('schedule', 'onecycle') != 'onecycle':
+        raise ValueError(f"cycle_momentum needs schedule='onecycle' (OneCycleLR's momentum cycle), got {config.get('schedule')!r}")
+    names = ('pct_start', 'base_momentum', 'max_momentum')
+    return onecycle_momentum(progress, **{k: config[k] for k in names if k in config})
+
+# %% ../../nbs/05d_schedules.ipynb #3b208407
 def make_sgd(params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.9,
              weight_decay: float = 0.0, nesterov: bool = False) -> torch.optim.SGD:
     "SGD with momentum and weight decay over `params`."
@@ -85,9 +103,11 @@ def make_sgd(params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                            nesterov=nesterov and momentum > 0)
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    "Write `lr` into every parameter group."
-    for group in optimizer.param_groups: group['lr'] = lr
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, momentum: float | None = None) -> None:
+    "Write `lr` (and, unless None, the scheduled `momentum`) into every parameter group."
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+        if momentum is not None: group['momentum'] = momentum
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor | None:
     "Clip gradients to global L2 norm `max_norm` (off when `max_norm <= 0`); returns the norm before clipping."

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .recipes import get_recipe, resolve_config
-from .runio import is_finished, read_json, run_dir
+from .runio import RunLockedError, read_json, run_dir, run_status
 from .train import train
 
 # %% auto #0
@@ -27,9 +27,10 @@ class RunSpec:
     time_matched: dict | None = field(default=None, hash=False, compare=False)
 
 def parse_list(text: str | None, kind=int, what: str = 'list') -> list:
-    "`'1,2,3'` -> `[1, 2, 3]` (None -> [])."
+    "`'1,2,3'` -> `[1, 2, 3]` (None -> []); an empty or blank `text` is an error, not a default."
     if text is None: return []
     items = [t.strip() for t in str(text).split(',') if t.strip()]
+    if not items: raise ValueError(f'{what} is empty: give comma-separated values, e.g. 1,2,3 (or leave the flag out)')
     try: return [kind(t) for t in items]
     except ValueError: raise ValueError(f'{what} must be comma-separated {kind.__name__}s, e.g. 1,2,3; got {text!r}') from None
 
@@ -51,7 +52,9 @@ def measured_ratio(out: str | Path, recipe: str, arm: str, seed: int, epochs: in
     times = []
     for name in (arm, reference):
         folder = run_dir(out, recipe, name, seed, epochs)
-        if not is_finished(folder):
+        if run_status(folder) == 'diverged':
+            raise ValueError(f'{folder} diverged: it has no training time to match')
+        if run_status(folder) != 'complete':
             raise ValueError(f'the time-matched budget needs the finished run {folder}; run it first')
         times.append(float(read_json(folder / 'final.json')['train_time_s']))
     return times[0] / times[1]
@@ -59,11 +62,15 @@ def measured_ratio(out: str | Path, recipe: str, arm: str, seed: int, epochs: in
 # %% ../../nbs/05b_sweep.ipynb #778b0114
 @dataclass
 class SweepResult:
-    "What a sweep did: one record per run (`status` is 'done', 'reused', 'stopped' or 'failed')."
+    "What a sweep did: one record per run (`status`: 'done', 'reused', 'stopped', 'diverged', 'locked' or 'failed')."
     records: list = field(default_factory=list)
 
     @property
     def failed(self) -> list: return [r for r in self.records if r['status'] == 'failed']
+    @property
+    def locked(self) -> list: return [r for r in self.records if r['status'] == 'locked']
+    @property
+    def diverged(self) -> list: return [r for r in self.records if r['status'] == 'diverged']
 
     def table(self) -> str:
         "A text table of the runs."
@@ -79,12 +86,19 @@ class SweepResult:
 def _run_one(spec: RunSpec, out, overrides: dict, named: dict, progress: str, result: SweepResult, log) -> dict | None:
     folder = run_dir(out, spec.recipe, spec.arm, spec.seed, spec.epochs)
     record = {'arm': spec.arm, 'seed': spec.seed, 'epochs': spec.epochs, 'folder': str(folder), 'final': None}
-    was_finished = is_finished(folder)
+    was_finished = run_status(folder) == 'complete'
     try:
         config = resolve_config(spec.recipe, overrides, arm=spec.arm, seed=spec.seed, epochs=spec.epochs, **named)
         config.time_matched = spec.time_matched
         final = train(config, out, resume=True, progress=progress)
-        record.update(status='reused' if was_finished else ('done' if final.get('complete') else 'stopped'), final=final)
+        status = ('diverged' if final.get('status') == 'diverged' else 'reused' if was_finished else
+                  'done' if final.get('complete') else 'stopped')
+        record.update(status=status, final=final)
+        if status == 'diverged': log(f'DIVERGED {folder}: non-finite {final["diverged"]["what"]} at epoch '
+                                     f'{final["diverged"]["epoch"]}, step {final["diverged"]["step"]} (a result: not rerun)')
+    except RunLockedError as e:                         # another process is on it: skip, do not wait
+        record.update(status='locked', error=str(e))
+        log(f'SKIPPED {e}')
     except Exception as e:
         record.update(status='failed', error=f'{type(e).__name__}: {e}')
         log(f'FAILED {folder}: {type(e).__name__}: {e}')

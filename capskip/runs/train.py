@@ -5,6 +5,7 @@
 # %% ../../nbs/05_train.ipynb #7a3eeec1
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -19,13 +20,15 @@ from ..core import derive_seed
 from .build import autocast_context, build_model, build_policy, build_splits, evaluate, resolve_device
 from .data import make_loader
 from .recipes import TrainConfig
-from .runio import (is_finished, load_checkpoint, read_json, run_dir, run_metadata, save_checkpoint,
-                                write_json, write_jsonl)
-from .schedules import clip_grad_norm, lr_at, make_sgd, scaled_lr, set_lr, step_progress
+from .divergence import (FiniteWatch, RunDiverged, diverged_after_error, diverged_summary,
+                                     grad_norm, run_tensors)
+from .runio import (RunLock, RunLockedError, load_checkpoint, read_json, run_dir, run_metadata, run_status,
+                                save_checkpoint, write_json, write_jsonl)
+from .schedules import clip_grad_norm, lr_at, make_sgd, momentum_at, scaled_lr, set_lr, step_progress
 
 # %% auto #0
 __all__ = ['VOLATILE_FIELDS', 'RunState', 'CorrectCounter', 'train_epoch', 'warm_up', 'check_same_config', 'checkpoint_state',
-           'restore_checkpoint', 'final_summary', 'train']
+           'restore_checkpoint', 'final_summary', 'one_writer', 'train']
 
 # %% ../../nbs/05_train.ipynb #e527d389
 @dataclass
@@ -69,6 +72,11 @@ class CorrectCounter:
 
     def start(self) -> None: self._logits = None
 
+    @property
+    def logits(self) -> torch.Tensor | None:
+        "The logits of the step in progress (None once it was counted)."
+        return self._logits
+
     def add(self, stats, y: torch.Tensor) -> None:
         "Count the rows of the step just taken that the model classified correctly."
         reported = getattr(stats, 'correct', None)
@@ -89,7 +97,9 @@ def _stat(stats, *names):
 
 # %% ../../nbs/05_train.ipynb #23706581
 def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> dict:
-    "Train one epoch (`state.epoch` is the 0-based index); returns the epoch's row without evaluation."
+    """Train one epoch (`state.epoch` is the 0-based index); returns the epoch's row without evaluation.
+
+    Raises `RunDiverged` when a step's loss or gradient was not finite (read once, at the end of the epoch)."""
     cfg, device, policy, opt = state.config, state.device, state.policy, state.optimizer
     dist, epoch, train = state.dist, state.epoch, state.splits.train
     plan = policy.plan_epoch(epoch, cfg.epochs, len(train), cfg.batch_size)
@@ -104,47 +114,65 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
     torch.manual_seed(derive_seed(cfg.seed, 'global', epoch))  # dropout / drop path: a function of (seed, epoch)
     weights = getattr(plan, 'weights', None)
     params = [p for p in state.model.parameters() if p.requires_grad]
-    counter = CorrectCounter(policy, device)
+    counter, watch = CorrectCounter(policy, device), FiniteWatch(device)
     bar = tqdm(total=len(batches), desc=f'{cfg.arm} {epoch + 1}/{cfg.epochs}', leave=False,
                disable=progress != 'bar' or (dist is not None and dist.rank != 0), dynamic_ncols=True)
     state.model.train()   # no zero_grad here: a pooling policy may carry gradients into the next epoch
-    steps, lr, seen, stats = 0, None, 0, None
+    steps, lr, seen, stats, i, joined = 0, None, 0, None, 0, 0   # joined: gradient all-reduces made so far
     nonempty = [b for b in batches if len(b)]
     loader = iter(make_loader(train, nonempty, num_workers=cfg.num_workers)) if nonempty else iter(())
     _sync(device); start = time.perf_counter()
-    for i, rows in enumerate(batches):
-        should_step = True  # a data-parallel rank whose shard of this batch is empty still joins the step
-        if len(rows):
-            x, y, idx = next(loader)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            w = None if weights is None else weights[idx].to(device, non_blocking=True)
-            counter.start()
-            with autocast_context(device, cfg.amp):
-                stats = policy.step(x, y, idx.to(device), weights=w)
-            counter.add(stats, y)
-            should_step, seen = bool(getattr(stats, 'should_step', True)), seen + len(idx)
-        if should_step:
-            if dist is not None: dist.allreduce_gradients(params, len(rows), global_sizes[i])
-            clip_grad_norm(params, cfg.clip_norm)
-            lr = lr_at(vars(cfg), state.peak_lr, step_progress(epoch, i, len(batches), cfg.epochs))
-            set_lr(opt, lr); opt.step(); opt.zero_grad(set_to_none=True)
-            steps += 1
-        if bar.disable: continue
-        bar.update(1)
-        if stats is not None and len(rows) and (i % refresh == 0 or i == len(batches) - 1):
-            kept, loss = _stat(stats, 'kept'), _stat(stats, 'loss_sum')
-            bar.set_postfix(loss=f'{_num(loss) / len(rows):.3f}' if loss is not None else '-',
-                            acc=f'{counter.correct.item() / max(1, seen):.3f}',
-                            bwd=f'{_num(kept) / len(rows):.0%}' if kept is not None else '-')
+    try:
+        for i, rows in enumerate(batches):
+            should_step, loss = True, None  # a data-parallel rank whose shard of this batch is empty still joins the step
+            if len(rows):
+                x, y, idx = next(loader)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                w = None if weights is None else weights[idx].to(device, non_blocking=True)
+                counter.start()
+                with autocast_context(device, cfg.amp):
+                    stats = policy.step(x, y, idx.to(device), weights=w)
+                counter.add(stats, y)
+                should_step, seen = bool(getattr(stats, 'should_step', True)), seen + len(idx)
+                loss = _stat(stats, 'loss_sum')
+            if should_step:
+                if dist is not None: dist.allreduce_gradients(params, len(rows), global_sizes[i]); joined = i + 1
+                norm = clip_grad_norm(params, cfg.clip_norm)          # the norm before clipping, or None when off
+                watch.add(i, loss, norm if norm is not None else grad_norm(params))   # on the device: no host read
+                progress_i = step_progress(epoch, i, len(batches), cfg.epochs)
+                lr = lr_at(vars(cfg), state.peak_lr, progress_i)
+                set_lr(opt, lr, momentum_at(vars(cfg), progress_i)); opt.step(); opt.zero_grad(set_to_none=True)
+                steps += 1
+            else: watch.add(i, loss)
+            if bar.disable: continue
+            bar.update(1)
+            if stats is not None and len(rows) and (i % refresh == 0 or i == len(batches) - 1):
+                kept, loss_v = _stat(stats, 'kept'), _num(loss)
+                bar.set_postfix(loss='-' if loss is None else 'nan' if loss_v is None else f'{loss_v / len(rows):.3f}',
+                                acc=f'{counter.correct.item() / max(1, seen):.3f}',
+                                bwd=f'{_num(kept) / len(rows):.0%}' if kept is not None else '-')
+    except Exception as err:        # e.g. the CPU value checks refusing NaN logits: a divergence, or a real error
+        found = diverged_after_error(watch, counter.logits, state.model, epoch + 1, i, len(batches))
+        if found is None: raise
+        if dist is None:
+            state.train_time_s += time.perf_counter() - start
+            raise found from err
+        watch.note(found)           # data-parallel: join the others' remaining all-reduces; all stop at the epoch's end
+        for j in range(joined, len(batches)):
+            for p in params: p.grad = None
+            dist.allreduce_gradients(params, 0, global_sizes[j])
+    finally:
+        bar.close(); counter.close()
     _sync(device); elapsed = time.perf_counter() - start
-    bar.close(); counter.close()
+    state.train_time_s += elapsed
+    diverged = watch.read(epoch + 1, len(batches), dist, run_tensors(state.model, opt))  # one read per epoch
+    if diverged is not None: raise diverged
     correct = counter.correct
     counters = {k: _num(v) for k, v in policy.counters().items()}
     if dist is not None: counters, correct = dist.reduce_counters(counters, correct)
-    forwarded = counters.get('rows_forwarded') or 0
-    state.train_time_s += elapsed
+    forwarded, loss_sum = counters.get('rows_forwarded') or 0, counters.get('loss_sum')
     return {'epoch': epoch + 1, 'train_time_s': state.train_time_s, 'epoch_time_s': elapsed, 'lr': lr,
-            'steps': steps, 'loss': (counters.get('loss_sum') or 0.0) / forwarded if forwarded else None,
+            'steps': steps, 'loss': loss_sum / forwarded if forwarded and loss_sum is not None else None,
             'train_acc': correct.item() / forwarded if forwarded else None,
             'val_acc': None, 'test_acc': None, 'eval_time_s': 0.0,
             **{k: counters.get(k) for k in ('rows_forwarded', 'rows_backprop', 'kept_fraction',
@@ -228,26 +256,53 @@ def final_summary(state: RunState) -> dict:
             'best_val_acc': max((r['val_acc'] for r in rows if r['val_acc'] is not None), default=None),
             'eval_time_s': sum(r.get('eval_time_s') or 0.0 for r in rows),
             'warmup_time_s': sum(r.get('warmup_time_s') or 0.0 for r in rows),
-            'time_matched': cfg.time_matched, 'complete': True}
+            'time_matched': cfg.time_matched, 'status': 'complete', 'complete': True}
 
 def _log(progress: str, text: str, dist=None) -> None:
     if progress != 'none' and (dist is None or dist.rank == 0): tqdm.write(text)
 
 # %% ../../nbs/05_train.ipynb #4e852a07
+@contextlib.contextmanager
+def one_writer(folder: Path, dist=None):
+    "Hold the run folder's `RunLock` (on process 0 of a data-parallel run; every process learns whether it got it)."
+    lock, refusal = RunLock(folder), None
+    if dist is None or dist.rank == 0:
+        try: lock.acquire()
+        except RunLockedError as e: refusal = str(e)
+    if dist is not None: refusal = dist.broadcast_object(refusal)
+    if refusal: raise RunLockedError(refusal)
+    try: yield lock
+    finally: lock.release(prune=4)      # a run that wrote nothing leaves no empty <recipe>/<arm>/seed<S>/ep<E>
+
+def _logged_epochs(folder: Path) -> int:
+    path = folder / 'results.jsonl'
+    if not path.exists(): return 0
+    return sum(1 for line in path.read_text(encoding='utf-8', errors='replace').splitlines() if line.strip())
+
 def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, progress: str = 'bar',
           stop_after: int | None = None, dist=None) -> dict:
     """Run (or finish, or reuse) one run; returns its `final.json` content, or the last row when stopped early.
 
     `progress`: 'bar' (tqdm bars and a line per epoch), 'lines' (a line per epoch), 'none'.
-    `stop_after`: stop after that many finished epochs (as if killed), leaving a resumable partial run."""
+    `stop_after`: stop after that many finished epochs (as if killed), leaving a resumable partial run.
+    A run whose loss or gradient stops being finite ends with `final['status'] == 'diverged'` (see
+    `capskip.runs.divergence`). Raises `RunLockedError` when another process is writing the run folder."""
     if progress not in ('bar', 'lines', 'none'): raise ValueError(f"progress must be 'bar', 'lines' or 'none', got {progress!r}")
     folder = run_dir(out, config.recipe, config.arm, config.seed, config.epochs)
+    with one_writer(folder, dist):        # before the folder is looked at, until final.json is written
+        return _train_locked(config, folder, resume, progress, stop_after, dist)
+
+def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str, stop_after: int | None, dist) -> dict:
     is_main = dist is None or dist.rank == 0
-    if is_finished(folder):
+    status = run_status(folder)
+    if status in ('complete', 'diverged'):
         check_same_config(folder, config)
-        _log(progress, f'{folder}: finished run, not recomputed', dist)
+        _log(progress, f'{folder}: {"finished" if status == "complete" else "diverged"} run, not recomputed', dist)
         return read_json(folder / 'final.json')
     ckpt_path = folder / 'checkpoint.pt'
+    if not ckpt_path.exists() and _logged_epochs(folder):
+        raise ValueError(f'{folder} holds {_logged_epochs(folder)} finished epoch(s) in results.jsonl but no checkpoint.pt '
+                         '(deleted?): the run cannot continue where it stopped; delete the folder to start over')
     if ckpt_path.exists() and not resume:
         raise ValueError(f'{folder} holds a partial run (checkpoint.pt): pass --resume to continue it, '
                          'or delete the folder to start over')
@@ -272,7 +327,13 @@ def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, p
     if is_main: write_json(folder / 'config.json', dict(config.to_dict(), meta=meta))
     last = stop_after if stop_after is not None else config.epochs
     while state.epoch < min(last, config.epochs):
-        row = train_epoch(state, progress)
+        try: row = train_epoch(state, progress)
+        except RunDiverged as d:          # the diverged epoch is not saved: checkpoint.pt stays the last finite one
+            final = diverged_summary(config, d, state.train_time_s, state.epoch, peak_lr)
+            if is_main: write_json(folder / 'final.json', final)
+            if dist is not None: dist.barrier()
+            _log(progress, f'{folder}: DIVERGED, {d} (status "diverged" written to final.json)', dist)
+            return final
         row['warmup_time_s'], warmup_s = warmup_s, 0.0
         epoch = state.epoch + 1
         if epoch % config.eval_every == 0 or epoch == config.epochs:
