@@ -9,7 +9,7 @@ _API = {
     'magnitude_budget': 'capskip.selector', 'last_layer_grad': 'capskip.selector',
     'DEFAULT_BUDGET': 'capskip.core',
     # execution (capskip.engine)
-    'Engine': 'capskip.engine', 'RowDependenceError': 'capskip.engine',
+    'Engine': 'capskip.engine', 'RowDependenceError': 'capskip.engine', 'HeadError': 'capskip.engine',
     # policies (capskip.policies)
     'CAPSkip': 'capskip.policies', 'StepStats': 'capskip.policies', 'create_policy': 'capskip.policies',
     'list_policies': 'capskip.policies',

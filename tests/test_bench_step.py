@@ -45,7 +45,7 @@ def test_bench_step_rejects_bad_keep(capsys):
 
 def test_backward_floor_is_the_reference_backward_over_dense():
     row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'backward': bwd, 'selector': 1.0, 'gather': 0.5, 'step_ms': 150.0, **kw}
-    acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_ms=11.0)
+    acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_copy_ms=11.0)
     rows = [row('dense', 1.0, 100.0), row('reuse', 0.35, 42.0, **acct), row('kept_only', 0.35, 40.0),
             row('reuse', 0.69, 77.0), row('kept_only', 0.69, 70.0), row('masked', 0.35, 101.0)]
     floor = backward_floor(rows)

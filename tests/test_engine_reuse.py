@@ -216,3 +216,29 @@ def test_eval_mode_batchnorm_buffers_and_a_shared_layer():
     ref = autograd_grads(full, x, y, w, seed=1)
     kept, got = engine_grads(Engine(full, 'reuse'), x, y, w)
     assert kept == 3 and grad_errors(got, ref)[0] <= 1e-5
+
+
+def test_views_of_one_storage_are_gathered_once_and_exactly():
+    "A ViT saves q, k, v (views of one projection) and its attention output twice: each storage's kept rows are copied once."
+    import timm
+    from capskip.engine.gathers import rows_view
+    torch.manual_seed(0)
+    model = timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=10,
+                              drop_path_rate=0.1, proj_drop_rate=0.1)          # no attention dropout: the backward is sliced
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, 3, 32, 32, generator=g), torch.randint(0, 10, (B,), generator=g)
+    engine = Engine(model, 'reuse')
+    for w in ((torch.arange(B) % 3 == 0).float(), (torch.arange(B) >= 2).float()):
+        ref = autograd_grads(model, x, y, w, seed=3)
+        kept, got = engine_grads(engine, x, y, w, seed=3)
+        assert kept == int(w.sum()) and grad_errors(got, ref)[0] <= 1e-5
+    plans = [p for p in engine.executor.grouped.values() if p]
+    assert len(plans) == 1
+    traced, graph, groups = plans[0]
+    assert len(groups) == 2 * 2                                      # per block: q/k/v, and the attention output pair
+    assert sum(n.target is rows_view for n in graph.graph.nodes) == 2 * (3 + 2)
+    fwd = engine.forward(x)
+    total, once = reuse.saved_bytes(fwd.state, 4)
+    _, per_view = reuse.saved_bytes(fwd.state, 4, grouped=False)
+    assert 0 < once <= total / 2 < per_view     # per view, the duplicated attention output was copied twice
+    fwd.state = None

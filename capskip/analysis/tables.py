@@ -286,7 +286,8 @@ def bench_table(rows: list[dict]) -> Table:
     "Per-phase step time (ms) and ratios to dense, one row per (model, mode, keep)."
     rows = check_bench_rows(rows)
     table = Table('step_phases', 'Per-phase step time (capskip bench step)',
-                  'Milliseconds per step by phase; ratio = step time / dense step time in the same run; ideal = (1 + 2k)/3; '
+                  'Milliseconds per step by phase; ratio = step time / dense step time in the same run; ideal = each mode\'s own '
+                  '((1 + 2k)/3 reuse, (1 + 3k)/3 re-forward, 1 masked, k kept-only); '
                   'overhead = ratio − ideal; peak memory relative to dense.',
                   ['model', 'mode', 'keep', 'forward', 'selector', 'gather', 'backward', 'optimizer', 'ratio', 'ideal', 'overhead', 'peak mem'])
     for r in rows:

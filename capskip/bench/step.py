@@ -261,7 +261,7 @@ def gather_account(runner: StepRunner, keeps: list[float]) -> dict:
     for k in keeps:
         keep = runner.keep_mask(k)
         fwd = runner.engines['reuse'].forward(runner.x)
-        saved, gathered = saved_bytes(fwd.state, int(keep.sum())) if fwd.mode == 'reuse' else (0, 0)
+        saved, gathered = saved_bytes(fwd.state, int(keep.sum()), grouped=not runner.compile) if fwd.mode == 'reuse' else (0, 0)
         del fwd
         floor = autograd_saved_bytes(runner.model, lambda: runner.engines['kept_only'].forward(runner.x[keep]))
         out[k] = {'saved': saved, 'gathered': gathered, 'floor_saved': floor}
@@ -285,7 +285,7 @@ def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> l
             bw = account['bandwidth']
             row.update(saved_mib=acct['saved'] / 2**20, gathered_mib=acct['gathered'] / 2**20,
                        floor_saved_mib=acct['floor_saved'] / 2**20, bandwidth_gbs=bw / 1e9,
-                       gather_ms=1e3 * 2 * acct['gathered'] / bw)   # each gathered byte is read once and written once
+                       gather_copy_ms=1e3 * 2 * acct['gathered'] / bw)   # each gathered byte is read once and written once
         rows.append(row)
     return rows
 
@@ -300,7 +300,7 @@ def backward_floor(rows: list[dict]) -> list[dict]:
         row = {'k': k, 'floor_share': floor['backward'] / dense, 'reuse_over_floor': reuse['backward'] / floor['backward'],
                'excess_ms': reuse['backward'] - floor['backward'],
                'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
-        row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_ms')
+        row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms')
                     if key in reuse})
         out.append(row)
     return out
@@ -316,7 +316,7 @@ def format_floor(rows: list[dict]) -> str:
             lines.append(f'        reuse gathers {r["gathered_mib"]:.1f} MiB per step (the kept rows of {r["saved_mib"]:.1f} MiB of '
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
                          f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
-                         f'gathered bytes takes {r["gather_ms"]:.1f} ms')
+                         f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms')
     return '\n'.join(lines)
 
 def format_table(rows: list[dict]) -> str:

@@ -63,16 +63,20 @@ def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
         else: p.grad.add_(g.to(p.grad.dtype))
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
-def saved_bytes(state: ReuseState, kept: int) -> tuple[int, int]:
-    "(bytes of the row-carrying values a reuse forward saved, bytes its sliced backward gathers at `kept` rows: their kept rows)."
+def saved_bytes(state: ReuseState, kept: int, grouped: bool = True) -> tuple[int, int]:
+    "(bytes of the row-carrying values a reuse forward saved, bytes its sliced backward gathers at `kept` rows: their kept rows, once per shared storage when `grouped`)."
     storages, gathered = {}, 0
-    for spec in state.traced.bw_inputs:
+    groups = shared_gathers(state.traced.bw_inputs, state.saved, state.batch) if grouped else []
+    in_group = {pos for g in groups for pos in g.positions}
+    for pos, spec in enumerate(state.traced.bw_inputs):
         t = state.saved[spec[1]] if spec[0] == 'saved' else None
         if not isinstance(t, torch.Tensor) or not is_rows(spec[2]): continue
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        gathered += t.numel() * t.element_size() * kept // state.batch
+        if pos not in in_group: gathered += t.numel() * t.element_size() * kept // state.batch
+    for g in groups:
+        t = state.saved[state.traced.bw_inputs[g.positions[0]][1]]
+        gathered += kept * g.stride * t.element_size()
     return sum(storages.values()), (0 if state.traced.fallback_reason else gathered)
-
 
 # %% ../../nbs/01f_reuse.ipynb #9d8d5957
 _TRACES: 'weakref.WeakKeyDictionary[nn.Module, dict]' = weakref.WeakKeyDictionary()   # model -> {signature: Traced | reason}
