@@ -166,7 +166,7 @@ def demo_parser() -> argparse.ArgumentParser:
     return p
 
 def demo_main(argv: list[str] | None = None) -> int:
-    "`capskip demo [--seeds 3] [--epochs N] [--out DIR]`"
+    "`capskip demo [--seeds N] [--epochs N] [--out DIR] [--recipe digits_demo] [--record FILE]`"
     p = demo_parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
