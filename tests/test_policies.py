@@ -241,3 +241,26 @@ def test_one_softmax_per_step(name, mode):
     idx = plan.batches[1]
     with CountOps() as counted: pol.step(X[idx], Y[idx], idx, plan.weights[idx])
     assert {op: n for op, n in counted.ops.items() if 'softmax' in op} == {'_softmax': 1, '_log_softmax': 1}
+
+
+@pytest.mark.parametrize('mode', ENGINE_MODES)
+def test_capskip_step_with_soft_targets_equals_the_soft_masked_loss(mode):
+    "Mixup-style targets [B, C]: candidates are rows whose top class is the target's; the gradient is autograd of the soft CE over kept rows."
+    from capskip.core import target_classes
+    X, Y, _, _ = digits()
+    model = pretrained_mlp()
+    x, y = X[:BATCH], Y[:BATCH]
+    g = torch.Generator().manual_seed(0)
+    lam = 0.7 + 0.3 * torch.rand(BATCH, 1, generator=g)                 # the image's own class stays dominant
+    y_soft = lam * F.one_hot(y, 10).float() + (1 - lam) * F.one_hot(y[torch.randperm(BATCH, generator=g)], 10).float()
+    skip = CAPSkip(model, budget=0.2, mode=mode, label_smoothing=0.1)
+    s = skip.step(x, y_soft)
+    feats = {}
+    hook = find_head(model).register_forward_hook(lambda m, i, o: feats.__setitem__('h', i[0].detach()))
+    with torch.no_grad(): logits = model(x)
+    hook.remove()
+    drop = select(residuals(logits, y_soft, 0.1), feats['h'], logits.argmax(1) == target_classes(y_soft), 0.2).drop
+    assert torch.equal(s.drop, drop) and 0 < s.kept < BATCH
+    ref = autograd_grads(model, x, y_soft, (~drop).float(), 0.1)
+    assert grad_errors(model_grads(model), ref)[0] <= 1e-5
+    with pytest.raises(ValueError, match=r'\[B, C\] class probabilities'): skip.step(x, y_soft[:, None])

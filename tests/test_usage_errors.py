@@ -96,3 +96,15 @@ def test_a_real_process_prints_no_traceback(tmp_path, a_file):
     assert out.returncode == 2 and 'Traceback' not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == 'capskip sweep: error: --seeds is empty: give comma-separated values, ' \
                                                   'e.g. 1,2,3 (or leave the flag out)'
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--arms', ','], '--arms is empty'),
+    (['--arms', 'dense,nosuch'], "unknown arm(s) ['nosuch']"),
+    (['--recipe', 'nosuch'], "unknown recipe 'nosuch'"),
+], ids=['empty-arms', 'unknown-arm', 'unknown-recipe'])
+def test_demo_arms_and_recipe_are_checked_before_any_training(argv, message, tmp_path, capsys):
+    "Before: an empty --arms was a traceback, and an unknown arm trained the dense arm first and then failed (exit 1)."
+    out = tmp_path / 'demo'
+    assert message in usage_error(capsys, demo_main, argv + ['--out', str(out)])
+    assert not out.exists()

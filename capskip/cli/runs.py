@@ -21,8 +21,8 @@ from ..runs.sweep import parse_list, sweep, sweep_grid
 from ..runs.train import train
 
 # %% auto #0
-__all__ = ['train_parser', 'config_from_args', 'train_main', 'sweep_parser', 'sweep_main', 'demo_parser', 'demo_main',
-           'recipes_main', 'report_parser', 'report_main']
+__all__ = ['train_parser', 'config_from_args', 'train_main', 'sweep_parser', 'check_arms', 'sweep_main', 'demo_parser',
+           'demo_main', 'recipes_main', 'report_parser', 'report_main']
 
 # %% ../../nbs/09b_cli_runs.ipynb #ccad6564
 def train_parser() -> argparse.ArgumentParser:
@@ -120,6 +120,12 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument('--dry-run', action='store_true', help='print the runs without running them')
     return p
 
+def check_arms(arms: list[str]) -> list[str]:
+    "`arms` if every one names a policy; otherwise a ValueError listing the unknown ones and the choices."
+    bad = [a for a in arms if a not in list_policies()]
+    if bad: raise ValueError(f'unknown arm(s) {bad}; choose from {list_policies()}')
+    return arms
+
 def sweep_main(argv: list[str] | None = None) -> int:
     "`capskip sweep --recipe NAME --arms a,b --seeds 1,2,3 [--epochs 100,140,200] [--time-matched-dense]`"
     p = sweep_parser()
@@ -134,8 +140,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         named = {k: v for k, v in dict(data_root=ns.data_root, pretrained=ns.pretrained, device=ns.device).items() if v}
         overrides = parse_set(ns.set)
         resolve_config(ns.recipe, overrides, **named)          # fail fast on a bad override
-        bad = [a for a in arms if a not in list_policies()]
-        if bad: raise ValueError(f'unknown arm(s) {bad}; choose from {list_policies()}')
+        check_arms(arms)
         if ns.device: resolve_device(ns.device)
         check_out_dir(ns.out, create=not ns.dry_run)
         result = sweep(ns.recipe, arms, seeds, epochs, ns.out, ns.time_matched_dense, ns.matched_arm, overrides, named,
@@ -172,7 +177,8 @@ def demo_main(argv: list[str] | None = None) -> int:
     try:
         if ns.seeds is not None and ns.seeds < 1: raise ValueError('--seeds must be >= 1')
         if ns.epochs is not None and ns.epochs < 1: raise ValueError('--epochs must be >= 1')
-        arms, overrides = tuple(a.strip() for a in ns.arms.split(',') if a.strip()), parse_set(ns.set)
+        get_recipe(ns.recipe)                                      # unknown recipe or arm: before any training
+        arms, overrides = tuple(check_arms(parse_list(ns.arms, str, '--arms'))), parse_set(ns.set)
         check_out_dir(ns.out)
     except ValueError as e: p.error(str(e))
     print(f'training {", ".join(arms)} on {ns.recipe} for {ns.seeds or "the recipe default"} seed(s) -> {ns.out} ...', flush=True)
@@ -182,7 +188,8 @@ def demo_main(argv: list[str] | None = None) -> int:
         print(f'capskip demo: {e}', file=sys.stderr)
         return DIVERGED_EXIT if 'diverged' in str(e) and 'failed' not in str(e) else 1
     print(demo_report(res))
-    if ns.record: record_demo(res, ns.record, 'capskip demo ' + ' '.join(a for a in (argv or []) if a not in ('--record', ns.record)))
+    words = sys.argv[1:] if argv is None else argv
+    if ns.record: record_demo(res, ns.record, 'capskip demo ' + ' '.join(a for a in words if a not in ('demo', '--record', ns.record)))
     return 0
 
 # %% ../../nbs/09b_cli_runs.ipynb #bb1532cd

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..core import DEFAULT_BUDGET
+from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
 from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
                                    epoch_counters, record, run_step)
@@ -28,7 +28,7 @@ def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: T
                      p: float = RW_P, p_bar: float = RWP_MEAN, p_min: float = RWP_MIN,
                      generator: torch.Generator | None = None, bias: bool = True) -> Decision:
     "CAPSkip (Definition 1, weighted form) plus an optional re-weighting of the dropped prefix."
-    candidates = logits.argmax(1) == y
+    candidates = logits.argmax(1) == target_classes(y)          # soft targets: the target's top class
     if exclude_upweighted: candidates = candidates & (w <= 1)
     sel = select(res, feats, candidates, budget, weights=w if weighted else None, bias=bias)
     drop, kept_w = sel.drop, torch.where(sel.drop, torch.zeros_like(w), w)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import ce_residuals, seeded_generator
+from ..core import ce_residuals, seeded_generator, target_classes
 from ..engine import Engine
 from .plans import FINAL_BATCH, EpochPlan, batch_rows, plan_generator, shard_rows
 from .reweight import lastfix_
@@ -115,7 +115,7 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
     den = B if denominator is None else denominator
     kept = engine.backward(fwd, res * (d.applied / den)[:, None], d.applied > 0)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
     if d.lastfix is not None: lastfix_(engine.head, res, feats, d.lastfix, den)
-    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, (logits.argmax(1) == y).sum())
+    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, (logits.argmax(1) == target_classes(y)).sum())
 
 # %% ../../nbs/02b_policy_core.ipynb #c9b69eee
 def device_generator(device: torch.device, seed: int, state: Tensor | None = None) -> torch.Generator:
@@ -202,7 +202,9 @@ class DensePolicy(BasePolicy):
 def check_step_inputs(x: Tensor, y: Tensor, weights: Tensor | None, denominator: float | None = None) -> int:
     "The batch size B of `x`, after checking that `y` (and `weights`) have one entry per row and `denominator` > 0."
     B = x.shape[0] if isinstance(x, Tensor) and x.ndim else 0
-    if not isinstance(y, Tensor) or y.shape != (B,): raise ValueError(f'y must be a [B]={B} tensor of class labels, got {getattr(y, "shape", type(y))}')
+    soft = isinstance(y, Tensor) and y.is_floating_point() and y.ndim == 2 and y.shape[0] == B   # [B, C] probabilities
+    if not isinstance(y, Tensor) or not (soft or y.shape == (B,)):
+        raise ValueError(f'y must be [B]={B} class labels or [B, C] class probabilities (mixup/cutmix), got {getattr(y, "shape", type(y))}')
     if weights is not None and tuple(weights.shape) != (B,):
         raise ValueError(f'weights must be [B]={B} (one per forwarded row), got shape {tuple(weights.shape)}')
     if denominator is not None and not denominator > 0: raise ValueError(f'denominator must be > 0, got {denominator!r}')
