@@ -30,6 +30,8 @@ def test_bench_step_table_structure(tmp_path, capsys):
     rows = json.loads(out_json.read_text())
     reuse = next(r for r in rows if r['mode'] == 'reuse')
     assert 0 < reuse['gathered_mib'] <= reuse['saved_mib'] and reuse['bandwidth_gbs'] > 0 and reuse['floor_saved_mib'] > 0
+    assert 0 < reuse['gather_alone_ms'] < 1e3                     # the gathers, timed on their own in the same run
+    assert any(l.strip().startswith('the same gathers timed alone in this run') for l in lines)
     assert [r['mode'] for r in rows] == ['dense', 'masked', 'reforward', 'reuse', 'kept_only']
     assert all(r['peak_mem'] > 0 and r['forward'] > 0 for r in rows)
     assert all(abs(r['overhead'] - (r['ratio'] - r['ideal'])) < 1e-9 for r in rows)
@@ -63,3 +65,33 @@ def test_each_mode_has_its_own_ideal():
     assert mode_ideal('reuse', 0.35) == pytest.approx((1 + 2 * 0.35) / 3)
     assert mode_ideal('reforward', 0.35) == pytest.approx((1 + 3 * 0.35) / 3)
     assert mode_ideal('masked', 0.35) == 1.0 and mode_ideal('kept_only', 0.35) == 0.35
+
+
+def test_gather_sources_are_what_the_backward_gathers_once_each():
+    "At every kept count the bytes of the gather sources' kept rows are what saved_bytes reports; the timed gathers run."
+    import torch
+    from capskip.bench.step import gather_seconds
+    from capskip.engine import Engine
+    from capskip.engine.reuse import gather_sources, saved_bytes
+    from capskip.runs.models import create_model
+    torch.manual_seed(0)
+    model = create_model('vit_tiny', num_classes=10, img_size=16).train()
+    x = torch.randn(8, 3, 16, 16)
+    fwd = Engine(model, 'reuse').forward(x)
+    sources = gather_sources(fwd.state)
+    assert sources and all(t.shape[0] % 8 == 0 for t, _ in sources)                 # row-carrying values of the batch
+    per_row = sum(t.numel() * t.element_size() for t, _ in sources) // 8
+    for kept in (1, 3, 8):
+        assert abs(saved_bytes(fwd.state, kept)[1] - kept * per_row) <= len(sources)     # integer division per source
+    keep = torch.zeros(8, dtype=torch.bool); keep[[1, 4, 6]] = True
+    assert 0 < gather_seconds(fwd.state, keep) < 10
+
+
+def test_floor_text_omits_the_timed_gathers_when_not_measured():
+    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'backward': bwd, 'selector': 1.0, 'gather': 0.5, 'step_ms': 150.0, **kw}
+    acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_copy_ms=11.0)
+    rows = [row('dense', 1.0, 300.0), row('kept_only', 0.35, 100.0), row('reuse', 0.35, 120.0, **acct, gather_alone_ms=15.0),
+            row('kept_only', 0.69, 200.0), row('reuse', 0.69, 210.0, **acct, gather_alone_ms=float('nan'))]
+    text = format_floor(backward_floor(rows)).splitlines()
+    timed = [l for l in text if 'timed alone' in l]
+    assert len(timed) == 1 and '15.0 ms (75% of the excess over the floor)' in timed[0]      # 15 of the 20 ms excess

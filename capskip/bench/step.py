@@ -22,16 +22,18 @@ import torch.nn as nn
 from ..core import DEFAULT_BUDGET, MEMORY_ALLOCATOR, TIMING_ALLOCATOR, ce_residuals
 from ..engine import MODES, Engine
 from ..engine.executors import mark_rows_dynamic
-from ..engine.reuse import saved_bytes
+from ..engine._aot import take_rows
+from ..engine.layouts import factors, row_index
+from ..engine.reuse import gather_sources, saved_bytes
 from ..runs.models import create_model
 from ..selector import residuals, select
 
 # %% auto #0
 __all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'parse_keeps',
            'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'configs', 'time_configs',
-           'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_account', 'summarize',
-           'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record', 'run_phase', 'launch_phase',
-           'measure']
+           'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_seconds', 'gather_account',
+           'summarize', 'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record', 'run_phase',
+           'launch_phase', 'measure']
 
 # %% ../../nbs/08b_bench_step.ipynb #a40f3d92
 STEP_PHASES = ('forward', 'selector', 'gather', 'backward', 'optimizer')   # the timed parts of one step, in order
@@ -255,16 +257,29 @@ def autograd_saved_bytes(model: nn.Module, fn) -> int:
     del out
     return sum(seen.values())
 
+def gather_seconds(state, keep: torch.Tensor, repeats: int = 3) -> float:
+    "The fastest of `repeats` runs of the sliced backward's gathers alone (`gather_sources`: the kept rows of each, as `take_rows` takes them)."
+    rows, sources, best = keep.nonzero().squeeze(1), gather_sources(state), math.inf
+    index = [(factors(lay)[0], row_index(lay, rows, state.batch)) for _, lay in sources]
+    sync = (lambda: torch.cuda.synchronize(keep.device)) if keep.device.type == 'cuda' else (lambda: None)
+    for _ in range(repeats):
+        sync(); t0 = time.perf_counter()
+        copies = [take_rows(t, d, i) for (t, _), (d, i) in zip(sources, index)]
+        sync(); best = min(best, time.perf_counter() - t0); del copies
+    return best
+
 def gather_account(runner: StepRunner, keeps: list[float]) -> dict:
-    "Per k: bytes of reuse's row-carrying saved values, the bytes its backward gathers, the bytes `kept_only` saves; and the copy bandwidth."
+    "Per k: bytes of reuse's row-carrying saved values, the bytes its backward gathers and the time those gathers take alone (eager only), the bytes `kept_only` saves; and the copy bandwidth."
     out = {}
     for k in keeps:
         keep = runner.keep_mask(k)
         fwd = runner.engines['reuse'].forward(runner.x)
+        eager = fwd.mode == 'reuse' and not runner.compile and fwd.state.traced.fallback_reason is None
         saved, gathered = saved_bytes(fwd.state, int(keep.sum()), grouped=not runner.compile) if fwd.mode == 'reuse' else (0, 0)
+        seconds = gather_seconds(fwd.state, keep) if eager else float('nan')
         del fwd
         floor = autograd_saved_bytes(runner.model, lambda: runner.engines['kept_only'].forward(runner.x[keep]))
-        out[k] = {'saved': saved, 'gathered': gathered, 'floor_saved': floor}
+        out[k] = {'saved': saved, 'gathered': gathered, 'floor_saved': floor, 'gather_s': seconds}
     return {'per_k': out, 'bandwidth': copy_bandwidth(runner.device)}
 
 # %% ../../nbs/08b_bench_step.ipynb #6c6bdbcc
@@ -285,7 +300,8 @@ def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> l
             bw = account['bandwidth']
             row.update(saved_mib=acct['saved'] / 2**20, gathered_mib=acct['gathered'] / 2**20,
                        floor_saved_mib=acct['floor_saved'] / 2**20, bandwidth_gbs=bw / 1e9,
-                       gather_copy_ms=1e3 * 2 * acct['gathered'] / bw)   # each gathered byte is read once and written once
+                       gather_copy_ms=1e3 * 2 * acct['gathered'] / bw,    # each gathered byte is read once and written once
+                       gather_alone_ms=1e3 * acct.get('gather_s', float('nan')))
         rows.append(row)
     return rows
 
@@ -300,7 +316,7 @@ def backward_floor(rows: list[dict]) -> list[dict]:
         row = {'k': k, 'floor_share': floor['backward'] / dense, 'reuse_over_floor': reuse['backward'] / floor['backward'],
                'excess_ms': reuse['backward'] - floor['backward'],
                'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
-        row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms')
+        row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms', 'gather_alone_ms')
                     if key in reuse})
         out.append(row)
     return out
@@ -317,6 +333,10 @@ def format_floor(rows: list[dict]) -> str:
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
                          f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
                          f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms')
+            if math.isfinite(r.get('gather_alone_ms', math.nan)):
+                lines.append(f'        the same gathers timed alone in this run: {r["gather_alone_ms"]:.1f} ms '
+                             f'({100 * r["gather_alone_ms"] / r["excess_ms"]:.0f}% of the excess over the floor)' if r['excess_ms'] > 0 else
+                             f'        the same gathers timed alone in this run: {r["gather_alone_ms"]:.1f} ms')
     return '\n'.join(lines)
 
 def format_table(rows: list[dict]) -> str:

@@ -19,12 +19,12 @@ from ._aot import Traced, eval_sym, guards_hold, log, probe_traced, run_forward,
 from .executors import Executor, Reforward, mark_rows_dynamic, zero_missing_grads
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
-from .layouts import is_rows
+from .layouts import is_rows, make_layout
 from .probe import RowProbe
 from .types import Forward, RowDependenceError
 
 # %% auto #0
-__all__ = ['ReuseState', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'Reuse']
+__all__ = ['ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'Reuse']
 
 # %% ../../nbs/01f_reuse.ipynb #0f34d0dc
 @dataclass
@@ -63,19 +63,22 @@ def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
         else: p.grad.add_(g.to(p.grad.dtype))
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
+def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
+    "What the sliced backward takes kept rows from, each (tensor, layout): every shared storage once as a [B, S] block when `grouped`, then every other row-carrying saved value."
+    specs, saved, B = state.traced.bw_inputs, state.saved, state.batch
+    groups = shared_gathers(specs, saved, B) if grouped else []
+    blocks = (group_args(groups, specs, saved, B) or []) if groups else []
+    in_group = {pos for g in groups for pos in g.positions} if blocks else set()
+    singles = [(saved[s[1]], s[2]) for pos, s in enumerate(specs) if s[0] == 'saved' and pos not in in_group
+               and isinstance(saved[s[1]], torch.Tensor) and is_rows(s[2])]
+    return [(b, make_layout(0)) for b in blocks] + singles
+
 def saved_bytes(state: ReuseState, kept: int, grouped: bool = True) -> tuple[int, int]:
     "(bytes of the row-carrying values a reuse forward saved, bytes its sliced backward gathers at `kept` rows: their kept rows, once per shared storage when `grouped`)."
-    storages, gathered = {}, 0
-    groups = shared_gathers(state.traced.bw_inputs, state.saved, state.batch) if grouped else []
-    in_group = {pos for g in groups for pos in g.positions}
-    for pos, spec in enumerate(state.traced.bw_inputs):
-        t = state.saved[spec[1]] if spec[0] == 'saved' else None
-        if not isinstance(t, torch.Tensor) or not is_rows(spec[2]): continue
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        if pos not in in_group: gathered += t.numel() * t.element_size() * kept // state.batch
-    for g in groups:
-        t = state.saved[state.traced.bw_inputs[g.positions[0]][1]]
-        gathered += kept * g.stride * t.element_size()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for s in state.traced.bw_inputs if s[0] == 'saved'
+                for t in [state.saved[s[1]]] if isinstance(t, torch.Tensor) and is_rows(s[2])}
+    gathered = sum(t.numel() * t.element_size() * kept // state.batch for t, _ in gather_sources(state, grouped))
     return sum(storages.values()), (0 if state.traced.fallback_reason else gathered)
 
 # %% ../../nbs/01f_reuse.ipynb #9d8d5957
