@@ -242,3 +242,27 @@ def test_views_of_one_storage_are_gathered_once_and_exactly():
     _, per_view = reuse.saved_bytes(fwd.state, 4, grouped=False)
     assert 0 < once <= total / 2 < per_view     # per view, the duplicated attention output was copied twice
     fwd.state = None
+
+
+@pytest.mark.parametrize('make', [
+    lambda: torch.randn(8, 4, 3, 3),
+    lambda: torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last),
+    lambda: torch.randn(8, 1, 1, 6).permute(0, 3, 1, 2),      # [B, C, 1, 1] with channels-last strides: is_contiguous() too
+    lambda: torch.randn(8, 1, 6).transpose(1, 2),              # [B, C, 1] from a transpose
+    lambda: torch.randn(8, 5, 6)])
+def test_take_rows_keeps_the_saved_values_strides(make):
+    "Kernels pick their path from strides (oneDNN's depthwise backward ran 9x slower on an NCHW copy of a channels-last [B, C, 1, 1] value)."
+    t, idx = make(), torch.tensor([6, 1, 3])
+    got = _aot.take_rows(t, 0, idx)
+    assert got.stride() == t.stride(), (t.stride(), got.stride())
+    assert torch.equal(got, t.index_select(0, idx))
+
+
+def test_take_rows_where_the_rows_are_not_outermost():
+    t = torch.randn(6, 8).t()                                  # rows innermost
+    idx = torch.tensor([0, 7, 2])
+    got = _aot.take_rows(t, 0, idx)
+    assert got.stride() == (1, 3) and torch.equal(got, t.index_select(0, idx))
+    u = torch.randn(4, 8, 3).transpose(0, 1)                   # rows in dim 0, dim 1 outermost in memory
+    got = _aot.take_rows(u, 0, idx)
+    assert got.stride() == (3, 9, 1) and torch.equal(got, u.index_select(0, idx))   # still dim 1 outermost

@@ -143,9 +143,9 @@ def merged_rows(t: torch.Tensor, rows: torch.Tensor, d: int, a: int, c: int) -> 
     return row_index(('merged', d, a, c), rows, t.shape[d] // (a * c))
 
 def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
-    "`t.index_select(d, index)` in `t`'s memory order (a channels-last or transposed saved value stays so)."
-    if t.is_contiguous(): return t.index_select(d, index)
+    "`t.index_select(d, index)` in `t`'s stride order, size-1 dims included (a channels-last or transposed saved value stays so)."
     order = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))   # dims from outermost to innermost in memory
+    if order == list(range(t.ndim)): return t.index_select(d, index)  # not `t.is_contiguous()`: it ignores size-1 dims
     out = t.permute(order).index_select(order.index(d), index)
     return out.permute([order.index(i) for i in range(t.ndim)])
 
