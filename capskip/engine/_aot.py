@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ def merged_rows(t: torch.Tensor, rows: torch.Tensor, d: int, a: int, c: int) -> 
 
 def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     "`t.index_select(d, index)` in `t`'s stride order, size-1 dims included (a channels-last or transposed saved value stays so)."
+    if 1 not in t.shape and t.is_contiguous(): return t.index_select(d, index)   # is_contiguous() ignores size-1 dims
     order = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))   # dims from outermost to innermost in memory
-    if order == list(range(t.ndim)): return t.index_select(d, index)  # not `t.is_contiguous()`: it ignores size-1 dims
+    if order == list(range(t.ndim)): return t.index_select(d, index)
     out = t.permute(order).index_select(order.index(d), index)
     return out.permute([order.index(i) for i in range(t.ndim)])
 
@@ -207,9 +209,13 @@ def guards_hold(traced: Traced, k: int) -> bool:
         return False
     return True
 
+@functools.lru_cache(maxsize=4096)
+def _sym_at(expr, batch, k: int) -> int:
+    return int(expr.subs(batch, k))
+
 def eval_sym(expr, traced: Traced, k: int) -> int:
-    "A symbolic size at batch size `k`."
-    return int(expr.subs(traced.batch, k)) if hasattr(expr, 'subs') else int(expr)
+    "A symbolic size at batch size `k` (each expression's value at each `k` computed once: sympy is slow per step)."
+    return _sym_at(expr, traced.batch, k) if hasattr(expr, 'subs') else int(expr)
 
 # %% ../../nbs/01e_aot.ipynb #d0008692
 def _as_layout(lay) -> tuple:

@@ -53,14 +53,17 @@ def _signature(model: nn.Module, x: torch.Tensor) -> tuple:
             torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
             tuple((id(p), p.requires_grad) for p in model.parameters()))
 
-def _accumulate(model: nn.Module, traced: Traced, grads) -> None:
-    "Add the backward graph's parameter gradients into `.grad`."
+def _grad_params(model: nn.Module, traced: Traced) -> list:
+    "Per backward output, the parameter it is the gradient of (None where there is none)."
     params = dict(model.named_parameters())
-    for name, g in zip(traced.grad_names, grads):
-        if name is None or g is None: continue
-        p = params[name]
-        if p.grad is None: p.grad = g.detach().to(p.dtype)
-        else: p.grad.add_(g.to(p.grad.dtype))
+    return [None if name is None else params[name] for name in traced.grad_names]
+
+def _accumulate(params: list, grads) -> None:
+    "Add the backward graph's parameter gradients into `.grad` (taken as it is where `.grad` is None, as autograd does)."
+    for p, g in zip(params, grads):
+        if p is None or g is None: continue
+        if p.grad is None: p.grad = g if g.dtype == p.dtype else g.to(p.dtype)   # made under no_grad: nothing to detach
+        else: p.grad.add_(g)
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
 def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
@@ -124,6 +127,7 @@ class Reuse(Executor):
         self.cache: dict = _TRACES.setdefault(model, {})
         self.twins: dict = {}                            # id(Traced) -> its compiled twin (compile=True)
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
+        self.params: dict = {}                           # id(Traced) -> (Traced, its gradients' parameters), made once
 
     def runnable(self, traced: Traced) -> Traced:
         "`traced` itself, or (compile=True) its compiled twin, made once."
@@ -201,4 +205,5 @@ class Reuse(Executor):
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
         with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
             grads = graph(args)
-        _accumulate(self.model, traced, grads)
+        if id(traced) not in self.params: self.params[id(traced)] = (traced, _grad_params(self.model, traced))
+        _accumulate(self.params[id(traced)][1], grads)
