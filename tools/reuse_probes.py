@@ -1,0 +1,167 @@
+"""Probes behind the statements about reuse's backward in nbs/01e_aot.ipynb, nbs/08b_bench_step.ipynb and issue 11 (a maintainers' helper).
+
+Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--repeats R]
+
+  depthwise    oneDNN's depthwise 7x7 convolution backward at [88, 320, 1, 1] with an NCHW- or channels-last-strided input
+  strides-ab   reuse backward / kept-only floor with take_rows as it was (is_contiguous() shortcut) and as it is,
+               both traced and run interleaved in one process
+  pieces       per-step milliseconds of reuse's Python around the backward graph (_bw_args, _accumulate)
+  fixed-cost   at K (default 2 rows): reuse and floor backward, the floor with its caches evicted before its backward,
+               the floor after an extra forward of all B rows, reuse with the frees of its saved values deferred
+  gather-forms a [128, 64, 32, 32] value's 45 kept rows copied by index_select, by copies of runs, by cat of runs and by
+               advanced indexing, from a cold source
+  op-call      one aten op called through OpOverload, its raw C++ callable, and the torch function
+
+Timings are medians; run on a quiet machine, run twice, and compare ratios within one run only. The timed commands of the
+package set glibc allocator tunables (capskip.core.TIMING_ALLOCATOR); this helper re-executes itself with them too.
+"""
+import argparse, os, statistics, sys, time, timeit
+
+import torch
+
+from capskip.core import TIMING_ALLOCATOR
+
+
+def median_ms(f, n):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def depthwise(a):
+    w = torch.randn(320, 1, 7, 7)
+    for x_cl in (False, True):
+        x = torch.randn(88, 1, 1, 320).permute(0, 3, 1, 2) if x_cl else torch.randn(88, 320, 1, 1)
+        g = torch.randn(88, 320, 1, 1)
+        f = lambda: torch.ops.aten.convolution_backward(g, x, w, [320], [1, 1], [3, 3], [1, 1], False, [0, 0], 320, [True] * 3)
+        f(); f()
+        print(f'input strides {tuple(x.stride())} ({"channels-last" if x_cl else "NCHW"}): {median_ms(f, a.repeats):.2f} ms')
+
+
+def old_take_rows(t, d, index):
+    "take_rows before the fix: the is_contiguous() shortcut loses channels-last strides where dims have size 1."
+    if t.is_contiguous(): return t.index_select(d, index)
+    order = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))
+    out = t.permute(order).index_select(order.index(d), index)
+    return out.permute([order.index(i) for i in range(t.ndim)])
+
+
+def runner(a):
+    from capskip.bench.step import StepBench, build_runner
+    return build_runner(StepBench(model=a.model, img=a.img, batch=128))
+
+
+def strides_ab(a):
+    import capskip.engine._aot as A
+    new, runners, keeps = A.take_rows, {}, [0.35, 0.69]
+    for name, fn in (('before', old_take_rows), ('now', new)):
+        A.take_rows = fn                                      # _rewrite_backward inserts the function it finds at trace time
+        r = runners[name] = runner(a)
+        for k in keeps:
+            for _ in range(2): r.step('reuse', k); r.step('kept_only', k)
+    A.take_rows = new
+    t = {(n, m, k): [] for n in runners for m in ('reuse', 'kept_only') for k in keeps}
+    for _ in range(a.repeats):
+        for k in keeps:
+            for n, r in runners.items():
+                for m in ('reuse', 'kept_only'): t[(n, m, k)].append(r.step(m, k)['backward'])
+    for k in keeps:
+        for n in runners:
+            ru, fl = t[(n, 'reuse', k)], t[(n, 'kept_only', k)]
+            print(f'k={k} take_rows {n:6s}: reuse backward {statistics.median(ru) * 1e3:7.1f} ms, floor '
+                  f'{statistics.median(fl) * 1e3:7.1f} ms, ratio of medians {statistics.median(ru) / statistics.median(fl):.3f}, '
+                  f'median of paired ratios {statistics.median([x / y for x, y in zip(ru, fl)]):.3f}')
+
+
+def pieces(a):
+    from capskip.engine import reuse as R
+    spent = {}
+    def timed(name):
+        f = getattr(R, name)
+        def w(*args, **kw):
+            t0 = time.perf_counter(); out = f(*args, **kw); spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(R, name, w)
+    for name in ('_bw_args', '_accumulate', 'guards_hold'): timed(name)
+    r = runner(a)
+    for _ in range(3): r.step('reuse', a.keep)
+    spent.clear()
+    for _ in range(a.repeats): r.step('reuse', a.keep)
+    for name, s in spent.items(): print(f'{name:12s} {s / a.repeats * 1e3:.3f} ms per step')
+
+
+def fixed_cost(a):
+    r = runner(a)
+    k, buf, hold = a.keep, torch.empty(96 << 18), []          # 96 MiB: larger than the 32 MiB L3 of the machines used
+    floor, reuse = r.engines['kept_only'], r.engines['reuse']
+    def with_forward(engine, after):
+        f = engine.forward
+        def run():
+            def fwd(*args, **kw):
+                out = f(*args, **kw); after(out); return out
+            engine.forward = fwd
+            try: return r.step('kept_only' if engine is floor else 'reuse', k)['backward']
+            finally: engine.forward = f
+        return run
+    def all_rows(_):
+        with torch.no_grad(): r.model(r.x)
+    cases = {'reuse': lambda: r.step('reuse', k)['backward'],
+             'reuse, frees deferred': with_forward(reuse, lambda out: hold.append(list(out.state.saved))),
+             'floor': lambda: r.step('kept_only', k)['backward'],
+             'floor, caches evicted': with_forward(floor, lambda _: buf.fill_(1.0)),
+             'floor, after a B-row forward': with_forward(floor, all_rows)}
+    for f in cases.values(): f(); f(); hold.clear()
+    t = {c: [] for c in cases}
+    for _ in range(a.repeats):
+        for c, f in cases.items(): t[c].append(f() * 1e3); hold.clear()
+    print(f'{a.model} at {round(k * 128)} kept rows of 128: backward medians')
+    for c, v in t.items(): print(f'  {c:30s} {statistics.median(v):7.2f} ms')
+
+
+def gather_forms(a):
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(128, 64, 32, 32) for _ in range(12)]    # 384 MiB, cycled: each source is cold when read
+    idx = torch.randperm(128, generator=g)[:45].sort().values
+    runs = []
+    for i in idx.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == i: runs[-1][1] += 1
+        else: runs.append([i, 1])
+    def run_copies(t):
+        out, o = torch.empty((45,) + t.shape[1:]), 0
+        for s, n in runs: out[o:o + n].copy_(t[s:s + n]); o += n
+        return out
+    forms = {'index_select': lambda t: t.index_select(0, idx), 'copies of runs': run_copies,
+             'cat of runs': lambda t: torch.cat([t.narrow(0, s, n) for s, n in runs]), 'advanced indexing': lambda t: t[idx],
+             'contiguous 45 rows (reference)': lambda t: t[:45].clone()}
+    nbytes = 2 * 45 * srcs[0][0].numel() * 4
+    for name, f in forms.items():
+        it = iter(range(10 ** 9))
+        ms = median_ms(lambda: f(srcs[next(it) % len(srcs)]), 3 * len(srcs))
+        print(f'{name:32s} {ms:6.2f} ms  {nbytes / ms / 1e6:5.1f} GB/s read+write ({len(runs)} runs)')
+
+
+def op_call(a):
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    op = torch.ops.aten.mm.default
+    env = dict(op=op, raw=op._op, x=x, y=y, torch=torch)
+    for stmt in ('op(x, y)', 'raw(x, y)', 'torch.mm(x, y)'):
+        timeit.timeit(stmt, globals=env, number=2000)
+        print(f'{stmt:16s} {timeit.timeit(stmt, globals=env, number=20000) / 20000 * 1e6:.2f} us')
+
+
+PROBES = {'depthwise': depthwise, 'strides-ab': strides_ab, 'pieces': pieces, 'fixed-cost': fixed_cost,
+          'gather-forms': gather_forms, 'op-call': op_call}
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('probe', choices=sorted(PROBES))
+    p.add_argument('--model', default='timm:convnext_atto')
+    p.add_argument('--img', type=int, default=32)
+    p.add_argument('--keep', type=float, default=None, help='kept fraction (default: 2/128 for fixed-cost, 0.35 otherwise)')
+    p.add_argument('--repeats', type=int, default=11)
+    a = p.parse_args()
+    if a.keep is None: a.keep = 2 / 128 if a.probe == 'fixed-cost' else 0.35
+    if any(os.environ.get(k) != v for k, v in TIMING_ALLOCATOR.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **TIMING_ALLOCATOR})
+    PROBES[a.probe](a)
