@@ -61,6 +61,28 @@ def test_backward_floor_is_the_reference_backward_over_dense():
     assert 'reuse gathers 105.0 MiB per step' in text[1] and 'takes 11.0 ms' in text[1]
 
 
+
+def test_reuse_over_floor_is_the_median_of_paired_ratios():
+    "Backward ÷ floor pairs reuse and kept_only within each repetition (as the step ratio pairs with dense), so a drift that slows one repetition cancels."
+    from capskip.bench.step import summarize
+    rep = lambda bwd: {ph: (bwd if ph == 'backward' else 1.0) for ph in STEP_PHASES}
+    times = {('dense', 1.0): [rep(100.0)] * 3,
+             ('reuse', 0.5): [rep(50.0), rep(60.0), rep(200.0)],     # the third repetition ran while the machine was busy
+             ('kept_only', 0.5): [rep(49.0), rep(40.0), rep(190.0)]}
+    rows = summarize(times, None)
+    reuse = next(r for r in rows if r['mode'] == 'reuse')
+    assert reuse['bw_floor'] == pytest.approx(200 / 190)                        # median of 1.020, 1.5, 1.053
+    assert reuse['backward'] / next(r for r in rows if r['mode'] == 'kept_only')['backward'] == pytest.approx(60 / 49)   # ratio of medians: 1.22
+    lo, hi = reuse['bw_floor_iqr']
+    assert 50 / 49 <= lo <= reuse['bw_floor'] <= hi <= 1.5
+    floor = backward_floor(rows)
+    assert floor[0]['reuse_over_floor'] == reuse['bw_floor'] and floor[0]['reuse_over_floor_iqr'] == (lo, hi)
+    assert 'median of per-repetition ratios, middle half' in format_floor(floor)
+    old = [dict(r, **({} if r['mode'] != 'reuse' else {'bw_floor': None})) for r in rows]
+    for r in old: r.pop('bw_floor', None); r.pop('bw_floor_iqr', None)          # a record made before pairing
+    assert 'ratio of the medians' in format_floor(backward_floor(old))
+    assert backward_floor(old)[0]['reuse_over_floor'] == pytest.approx(60 / 49)
+
 def test_each_mode_has_its_own_ideal():
     assert mode_ideal('reuse', 0.35) == pytest.approx((1 + 2 * 0.35) / 3)
     assert mode_ideal('reforward', 0.35) == pytest.approx((1 + 3 * 0.35) / 3)

@@ -283,3 +283,21 @@ def test_reuse_backward_accumulates_into_existing_grads_without_aliasing():
     assert errs[0] <= 1e-5, errs
     ptrs = [p.grad.untyped_storage().data_ptr() for p in model.parameters()]
     assert len(set(ptrs)) == len(ptrs)
+
+
+def test_reuse_on_a_channels_last_model_matches_autograd():
+    "A channels-last model's saved values are gathered into their own stride order (take_rows' out= copy) and give autograd's gradient."
+    model = tiny_cnn().to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (B,), generator=g)
+    w = (torch.arange(B) % 3 != 1).float()
+    ref = autograd_grads(model, x, y, w, denominator=B)
+    engine = Engine(model, 'reuse')
+    fwd = engine.forward(x)
+    strided = [t for t in fwd.state.saved if isinstance(t, torch.Tensor) and t.ndim == 4 and not t.is_contiguous()]
+    assert strided                                               # the gathers below take the strided path
+    model.zero_grad(set_to_none=True)
+    engine.loss_backward(fwd, y, w)
+    errs = grad_errors({n: p.grad for n, p in model.named_parameters()}, ref)
+    assert errs[0] <= 1e-5, errs

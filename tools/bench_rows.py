@@ -3,7 +3,8 @@
 Usage: python tools/bench_rows.py [NAME ...]   (NAME: the part of nbs/recorded/bench_step_NAME.json; default: every record)
 
 Paste the rows into the table in nbs/index.ipynb, then run `capskip readme`. Columns: masked, re-forward (its ideal), reuse,
-(1+2k)/3, reuse overhead, reuse backward / kept-only floor, floor / dense backward, gathered bytes with their copy time at
+(1+2k)/3, reuse overhead, reuse backward / kept-only floor (median of per-repetition ratios; ratio of medians in
+records made before the bench paired them), floor / dense backward, gathered bytes with their copy time at
 the measured bandwidth and the gathers timed alone, reuse peak memory / dense.
 """
 import json, sys
@@ -22,7 +23,7 @@ def rows(name: str) -> list[str]:
         m, rf, ru, ko = by[('masked', k)], by[('reforward', k)], by[('reuse', k)], by[('kept_only', k)]
         alone = f"{ru['gather_alone_ms']:.1f} ms" if ru.get('gather_alone_ms') is not None else '–'
         out.append(f"| {NAMES.get(name, name)} | {k} | {m['ratio']:.3f} | {rf['ratio']:.3f} ({rf['ideal']:.3f}) | **{ru['ratio']:.3f}** | "
-                   f"{ru['ideal']:.3f} | {ru['overhead']:+.3f} | {ru['backward'] / ko['backward']:.3f}× | "
+                   f"{ru['ideal']:.3f} | {ru['overhead']:+.3f} | {ru.get('bw_floor', ru['backward'] / ko['backward']):.3f}× | "
                    f"{ko['backward'] / dense['backward']:.3f} | {ru['gathered_mib']:.0f} MiB, {ru['gather_copy_ms']:.1f} ms; {alone} | "
                    f"{ru['peak_mem']:.2f}× |")
     return out

@@ -1,16 +1,22 @@
 """Probes behind the statements about reuse's backward in nbs/01e_aot.ipynb, nbs/08b_bench_step.ipynb and issue 11 (a maintainers' helper).
 
-Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--repeats R]
+Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--repeats R] [--top N]
 
   depthwise    oneDNN's depthwise 7x7 convolution backward at [88, 320, 1, 1] with an NCHW- or channels-last-strided input
   strides-ab   reuse backward / kept-only floor with take_rows as it was (is_contiguous() shortcut) and as it is,
                both traced and run interleaved in one process
   pieces       per-step milliseconds of reuse's Python around the backward graph (_bw_args, _accumulate)
   fixed-cost   at K (default 2 rows): reuse and floor backward, the floor with its caches evicted before its backward,
-               the floor after an extra forward of all B rows, reuse with the frees of its saved values deferred
+               the floor after an extra forward of all B rows, reuse with the frees of its saved values deferred, reuse
+               after an extra forward of the kept rows (the weights warm in cache, as in the floor's backward)
   gather-forms a [128, 64, 32, 32] value's 45 kept rows copied by index_select, by copies of runs, by cat of runs and by
                advanced indexing, from a cold source
   op-call      one aten op called through OpOverload, its raw C++ callable, and the torch function
+  conv-args    every convolution backward's arguments (shapes, strides, 64-byte alignment, output mask) in reuse's backward
+               and in the floor's at K kept rows (default 2), compared as multisets
+  ops          reuse and floor backward interleaved, every aten op timed: per op, the median per-step milliseconds in each
+               and their difference (the ops that carry reuse's excess), and the median paired ratio of the backward's
+               wall time and of its summed op time (timing each op adds the same per-call cost to both)
 
 Timings are medians; run on a quiet machine, run twice, and compare ratios within one run only. The timed commands of the
 package set glibc allocator tunables (capskip.core.TIMING_ALLOCATOR); this helper re-executes itself with them too.
@@ -106,11 +112,14 @@ def fixed_cost(a):
         return run
     def all_rows(_):
         with torch.no_grad(): r.model(r.x)
+    def kept_rows(_):
+        with torch.no_grad(): r.model(r.x[:max(1, round(k * r.x.shape[0]))])
     cases = {'reuse': lambda: r.step('reuse', k)['backward'],
              'reuse, frees deferred': with_forward(reuse, lambda out: hold.append(list(out.state.saved))),
              'floor': lambda: r.step('kept_only', k)['backward'],
              'floor, caches evicted': with_forward(floor, lambda _: buf.fill_(1.0)),
-             'floor, after a B-row forward': with_forward(floor, all_rows)}
+             'floor, after a B-row forward': with_forward(floor, all_rows),
+             'reuse, after a kept-row forward': with_forward(reuse, kept_rows)}
     for f in cases.values(): f(); f(); hold.clear()
     t = {c: [] for c in cases}
     for _ in range(a.repeats):
@@ -150,18 +159,82 @@ def op_call(a):
         print(f'{stmt:16s} {timeit.timeit(stmt, globals=env, number=20000) / 20000 * 1e6:.2f} us')
 
 
+def ops(a):
+    from collections import defaultdict
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class OpTimer(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.spent, self.on = defaultdict(float), False
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter(); out = func(*args, **(kwargs or {}))
+            if self.on: self.spent[func.overloadpacket.__name__] += time.perf_counter() - t0
+            return out
+    r, modes = runner(a), ('reuse', 'kept_only')
+    for _ in range(2):
+        for m in modes: r.step(m, a.keep)                   # traced and warm before any op is timed
+    timers = {m: OpTimer() for m in modes}
+    for m, tm in timers.items():
+        engine = r.engines[m]
+        def backward(*args, _f=engine.backward, _tm=tm, **kw):
+            _tm.on, t0 = True, time.perf_counter()
+            try: return _f(*args, **kw)
+            finally: _tm.on = False; _tm.spent['(wall)'] += time.perf_counter() - t0
+        engine.backward = backward
+    per = {m: [] for m in modes}
+    for _ in range(a.repeats):
+        for m, tm in timers.items():
+            tm.spent = defaultdict(float)
+            with tm: r.step(m, a.keep)
+            tm.spent['(sum of ops)'] = sum(v for k, v in tm.spent.items() if k != '(wall)')
+            per[m].append(dict(tm.spent))
+    names = set().union(*(d for m in modes for d in per[m]))
+    med = {m: {n: statistics.median(d.get(n, 0.0) for d in per[m]) * 1e3 for n in names} for m in modes}
+    paired = lambda n: statistics.median(x[n] / y[n] for x, y in zip(per['reuse'], per['kept_only']))
+    print(f'{a.model} at {a.img} px, {round(a.keep * 128)} kept rows of 128, {a.repeats} interleaved steps: backward ms per step')
+    print(f'{"op":44s} {"reuse":>8s} {"floor":>8s} {"reuse-floor":>12s}')
+    for n in sorted(names, key=lambda n: -abs(med['reuse'][n] - med['kept_only'][n]))[:a.top]:
+        print(f'{n[:44]:44s} {med["reuse"][n]:8.2f} {med["kept_only"][n]:8.2f} {med["reuse"][n] - med["kept_only"][n]:+12.2f}')
+    print(f'reuse / floor, median of paired ratios: wall {paired("(wall)"):.3f}, sum of ops {paired("(sum of ops)"):.3f}')
+
+
+def conv_args(a):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class Args(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.calls, self.on = [], False
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.on and func is torch.ops.aten.convolution_backward.default:
+                self.calls.append(tuple((tuple(t.shape), t.stride(), t.data_ptr() % 64) for t in args[:3]) + tuple(map(str, args[3:])))
+            return func(*args, **(kwargs or {}))
+    r, got = runner(a), {}
+    for m in ('reuse', 'kept_only'):
+        for _ in range(2): r.step(m, a.keep)
+        engine, mode = r.engines[m], Args()
+        def backward(*args, _f=engine.backward, _m=mode, **kw):
+            _m.on = True
+            try: return _f(*args, **kw)
+            finally: _m.on = False
+        engine.backward = backward
+        with mode: r.step(m, a.keep)
+        got[m] = sorted(mode.calls)
+    same = got['reuse'] == got['kept_only']
+    print(f'{a.model} at {round(a.keep * 128)} kept rows of 128: {len(got["reuse"])} convolution backwards in reuse, '
+          f'{len(got["kept_only"])} in the floor; arguments {"identical" if same else "differ"}')
+    for x, y in zip(got['reuse'], got['kept_only']):
+        if x != y: print('  reuse', x, '\n  floor', y)
+
+
 PROBES = {'depthwise': depthwise, 'strides-ab': strides_ab, 'pieces': pieces, 'fixed-cost': fixed_cost,
-          'gather-forms': gather_forms, 'op-call': op_call}
+          'gather-forms': gather_forms, 'op-call': op_call, 'ops': ops, 'conv-args': conv_args}
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('probe', choices=sorted(PROBES))
     p.add_argument('--model', default='timm:convnext_atto')
     p.add_argument('--img', type=int, default=32)
-    p.add_argument('--keep', type=float, default=None, help='kept fraction (default: 2/128 for fixed-cost, 0.35 otherwise)')
+    p.add_argument('--keep', type=float, default=None, help='kept fraction (default: 2/128 for fixed-cost and conv-args, 0.35 otherwise)')
     p.add_argument('--repeats', type=int, default=11)
+    p.add_argument('--top', type=int, default=12, help='ops: how many ops to list (largest differences first)')
     a = p.parse_args()
-    if a.keep is None: a.keep = 2 / 128 if a.probe == 'fixed-cost' else 0.35
+    if a.keep is None: a.keep = 2 / 128 if a.probe in ('fixed-cost', 'conv-args') else 0.35
     if any(os.environ.get(k) != v for k, v in TIMING_ALLOCATOR.items()):
         os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **TIMING_ALLOCATOR})
     PROBES[a.probe](a)

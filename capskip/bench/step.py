@@ -284,7 +284,7 @@ def gather_account(runner: StepRunner, keeps: list[float]) -> dict:
 
 # %% ../../nbs/08b_bench_step.ipynb #6c6bdbcc
 def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> list[dict]:
-    "Rows of the table: per config the median ms per phase, the median per-repetition ratio to dense, its own ideal, overhead, peak ratio (+ the gather account)."
+    "Rows of the table: per config the median ms per phase, the median per-repetition ratio to dense, its own ideal, overhead, peak ratio (+ the gather account; for reuse, its backward ÷ the floor's per repetition: median and middle half)."
     dense = times[('dense', 1.0)]
     rows = []
     for (mode, k), reps in times.items():
@@ -302,6 +302,10 @@ def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> l
                        floor_saved_mib=acct['floor_saved'] / 2**20, bandwidth_gbs=bw / 1e9,
                        gather_copy_ms=1e3 * 2 * acct['gathered'] / bw,    # each gathered byte is read once and written once
                        gather_alone_ms=1e3 * acct.get('gather_s', float('nan')))
+        if mode == 'reuse' and ('kept_only', k) in times:   # paired within each repetition, as the step ratio is
+            paired = [r['backward'] / f['backward'] for r, f in zip(reps, times[('kept_only', k)])]
+            row['bw_floor'] = statistics.median(paired)
+            row['bw_floor_iqr'] = tuple(statistics.quantiles(paired, n=4, method='inclusive')[::2]) if len(paired) > 1 else (paired[0],) * 2
         rows.append(row)
     return rows
 
@@ -313,7 +317,9 @@ def backward_floor(rows: list[dict]) -> list[dict]:
     for (mode, k) in by:
         if mode != 'kept_only' or ('reuse', k) not in by: continue
         reuse, floor = by[('reuse', k)], by[('kept_only', k)]
-        row = {'k': k, 'floor_share': floor['backward'] / dense, 'reuse_over_floor': reuse['backward'] / floor['backward'],
+        ratio = reuse.get('bw_floor', reuse['backward'] / floor['backward'])   # records made before pairing: ratio of medians
+        row = {'k': k, 'floor_share': floor['backward'] / dense, 'reuse_over_floor': ratio,
+               'reuse_over_floor_iqr': tuple(reuse.get('bw_floor_iqr', (ratio, ratio))), 'paired': 'bw_floor' in reuse,
                'excess_ms': reuse['backward'] - floor['backward'],
                'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
         row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms', 'gather_alone_ms')
@@ -321,12 +327,18 @@ def backward_floor(rows: list[dict]) -> list[dict]:
         out.append(row)
     return out
 
+def _how(r: dict) -> str:
+    "How a backward ÷ floor ratio was formed."
+    if not r.get('paired', True): return 'ratio of the medians: a record made before the bench paired them'
+    lo, hi = r['reuse_over_floor_iqr']
+    return f'median of per-repetition ratios, middle half {lo:.3f}-{hi:.3f}'
+
 def format_floor(rows: list[dict]) -> str:
     "The backward-floor lines printed under the table: the floor, reuse's backward against it, and the gather's account."
     lines = []
     for r in rows:
         lines.append(f'k={r["k"]:.2f}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
-                     f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that ({r["excess_ms"]:+.1f} ms); '
+                     f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that ({_how(r)}; medians differ by {r["excess_ms"]:+.1f} ms); '
                      f'selector + gather phases = {100 * r["fixed_share"]:.2f}% of the reuse step')
         if 'gathered_mib' in r:
             lines.append(f'        reuse gathers {r["gathered_mib"]:.1f} MiB per step (the kept rows of {r["saved_mib"]:.1f} MiB of '

@@ -148,8 +148,14 @@ def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     if 1 not in t.shape and t.is_contiguous(): return t.index_select(d, index)   # is_contiguous() ignores size-1 dims
     order = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))   # dims from outermost to innermost in memory
     if order == list(range(t.ndim)): return t.index_select(d, index)
-    out = t.permute(order).index_select(order.index(d), index)
-    return out.permute([order.index(i) for i in range(t.ndim)])
+    if torch.compiler.is_compiling():                # traced by dynamo (compile=True): the functional form
+        out = t.permute(order).index_select(order.index(d), index)
+        return out.permute([order.index(i) for i in range(t.ndim)])
+    size, strides, step = list(t.shape), [0] * t.ndim, 1
+    size[d] = index.numel()
+    for i in reversed(order): strides[i], step = step, step * size[i]   # dense, in t's stride order
+    out = torch.empty_strided(size, strides, dtype=t.dtype, device=t.device)
+    return torch.index_select(t, d, index, out=out)   # one copy into that order, no views
 
 def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
     "Insert index_select(kept rows) before each batch-carrying saved input's first use; boxed calling convention."
