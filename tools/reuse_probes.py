@@ -8,7 +8,8 @@ Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--re
   pieces       per-step milliseconds of reuse's Python around the backward graph (_bw_args, _accumulate)
   fixed-cost   at K (default 2 rows): reuse and floor backward, the floor with its caches evicted before its backward,
                the floor after an extra forward of all B rows, reuse with the frees of its saved values deferred, reuse
-               after an extra forward of the kept rows (the weights warm in cache, as in the floor's backward)
+               after an extra forward of the kept rows (the weights warm in cache, as in the floor's backward), the floor
+               while a reuse forward's saved values of all B rows are alive (their memory held, as in reuse's backward)
   gather-forms a [128, 64, 32, 32] value's 45 kept rows copied by index_select, by copies of runs, by cat of runs and by
                advanced indexing, from a cold source
   op-call      one aten op called through OpOverload, its raw C++ callable, and the torch function
@@ -112,6 +113,8 @@ def fixed_cost(a):
         return run
     def all_rows(_):
         with torch.no_grad(): r.model(r.x)
+    def held(_):                                            # reuse's saved values of all B rows alive during the floor's backward
+        hold.append(reuse.forward(r.x))
     def kept_rows(_):
         with torch.no_grad(): r.model(r.x[:max(1, round(k * r.x.shape[0]))])
     cases = {'reuse': lambda: r.step('reuse', k)['backward'],
@@ -119,7 +122,8 @@ def fixed_cost(a):
              'floor': lambda: r.step('kept_only', k)['backward'],
              'floor, caches evicted': with_forward(floor, lambda _: buf.fill_(1.0)),
              'floor, after a B-row forward': with_forward(floor, all_rows),
-             'reuse, after a kept-row forward': with_forward(reuse, kept_rows)}
+             'reuse, after a kept-row forward': with_forward(reuse, kept_rows),
+             'floor, holding a reuse forward': with_forward(floor, held)}
     for f in cases.values(): f(); f(); hold.clear()
     t = {c: [] for c in cases}
     for _ in range(a.repeats):
