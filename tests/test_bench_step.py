@@ -61,7 +61,6 @@ def test_backward_floor_is_the_reference_backward_over_dense():
     assert 'reuse gathers 105.0 MiB per step' in text[1] and 'takes 11.0 ms' in text[1]
 
 
-
 def test_reuse_over_floor_is_the_median_of_paired_ratios():
     "Backward ÷ floor pairs reuse and kept_only within each repetition (as the step ratio pairs with dense), so a drift that slows one repetition cancels."
     from capskip.bench.step import summarize
@@ -78,10 +77,10 @@ def test_reuse_over_floor_is_the_median_of_paired_ratios():
     floor = backward_floor(rows)
     assert floor[0]['reuse_over_floor'] == reuse['bw_floor'] and floor[0]['reuse_over_floor_iqr'] == (lo, hi)
     assert 'median of per-repetition ratios, middle half' in format_floor(floor)
-    old = [dict(r, **({} if r['mode'] != 'reuse' else {'bw_floor': None})) for r in rows]
-    for r in old: r.pop('bw_floor', None); r.pop('bw_floor_iqr', None)          # a record made before pairing
+    old = [{key: v for key, v in r.items() if key not in ('bw_floor', 'bw_floor_iqr')} for r in rows]   # a record made before pairing
     assert 'ratio of the medians' in format_floor(backward_floor(old))
     assert backward_floor(old)[0]['reuse_over_floor'] == pytest.approx(60 / 49)
+
 
 def test_each_mode_has_its_own_ideal():
     assert mode_ideal('reuse', 0.35) == pytest.approx((1 + 2 * 0.35) / 3)

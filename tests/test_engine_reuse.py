@@ -301,3 +301,13 @@ def test_reuse_on_a_channels_last_model_matches_autograd():
     engine.loss_backward(fwd, y, w)
     errs = grad_errors({n: p.grad for n, p in model.named_parameters()}, ref)
     assert errs[0] <= 1e-5, errs
+
+
+def test_take_rows_of_a_value_that_requires_grad():
+    "Outside the no-grad backward (a user's own call), a value that requires grad is copied without out= (autograd refuses it) and stays differentiable."
+    t = torch.randn(8, 1, 1, 6, requires_grad=True)
+    v = t.permute(0, 3, 1, 2)                                  # channels-last [B, C, 1, 1]: the strided path
+    got = _aot.take_rows(v, 0, torch.tensor([6, 1, 3]))
+    assert got.stride() == v.stride() and torch.equal(got, v.index_select(0, torch.tensor([6, 1, 3])))
+    got.sum().backward()
+    assert t.grad.sum() == 3 * 6

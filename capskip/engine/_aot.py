@@ -148,7 +148,7 @@ def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     if 1 not in t.shape and t.is_contiguous(): return t.index_select(d, index)   # is_contiguous() ignores size-1 dims
     order = sorted(range(t.ndim), key=lambda i: (-t.stride(i), i))   # dims from outermost to innermost in memory
     if order == list(range(t.ndim)): return t.index_select(d, index)
-    if torch.compiler.is_compiling():                # traced by dynamo (compile=True): the functional form
+    if torch.compiler.is_compiling() or (t.requires_grad and torch.is_grad_enabled()):   # dynamo, autograd: no out=
         out = t.permute(order).index_select(order.index(d), index)
         return out.permute([order.index(i) for i in range(t.ndim)])
     size, strides, step = list(t.shape), [0] * t.ndim, 1
