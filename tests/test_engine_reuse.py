@@ -301,6 +301,7 @@ def test_reuse_on_a_channels_last_model_matches_autograd():
     engine.loss_backward(fwd, y, w)
     errs = grad_errors({n: p.grad for n, p in model.named_parameters()}, ref)
     assert errs[0] <= 1e-5, errs
+    assert all(p.grad.stride() == p.stride() for p in model.parameters())   # autograd's layout contract: .grad as the parameter
 
 
 def test_take_rows_of_a_value_that_requires_grad():
