@@ -46,7 +46,8 @@ def test_bench_step_rejects_bad_keep(capsys):
 
 
 def test_backward_floor_is_the_reference_backward_over_dense():
-    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'backward': bwd, 'selector': 1.0, 'gather': 0.5, 'step_ms': 150.0, **kw}
+    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'forward': 50.0, 'backward': bwd, 'selector': 1.0, 'gather': 0.5,
+                                      'optimizer': 5.0, 'step_ms': 150.0, **kw}
     acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_copy_ms=11.0)
     rows = [row('dense', 1.0, 100.0), row('reuse', 0.35, 42.0, **acct), row('kept_only', 0.35, 40.0),
             row('reuse', 0.69, 77.0), row('kept_only', 0.69, 70.0), row('masked', 0.35, 101.0)]
@@ -56,9 +57,14 @@ def test_backward_floor_is_the_reference_backward_over_dense():
     assert floor[1]['floor_share'] == pytest.approx(0.70) and floor[1]['reuse_over_floor'] == pytest.approx(1.10)
     assert floor[0]['excess_ms'] == pytest.approx(2.0) and floor[0]['fixed_share'] == pytest.approx(1.5 / 150)
     assert floor[0]['gathered_mib'] == 105.0 and 'gathered_mib' not in floor[1]     # the account travels when measured
+    # reuse's other phases (50 + 1 + 0.5 + 5) + the floor's backward (40) + the copy (11), over the dense step (150)
+    assert floor[0]['copy_bound'] == pytest.approx(107.5 / 150) and floor[0]['copy_bound_overhead'] == pytest.approx(107.5 / 150 - 1.7 / 3)
+    assert 'copy_bound' not in floor[1]                                               # no copy time measured at 0.69
     text = format_floor(floor).splitlines()
-    assert len(text) == 3 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
+    assert len(text) == 4 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
     assert 'reuse gathers 105.0 MiB per step' in text[1] and 'takes 11.0 ms' in text[1]
+    assert floor[0]['copy_bound_ms'] == pytest.approx(107.5) and floor[0]['reuse_phases_ms'] == pytest.approx(98.5)
+    assert "floor's time plus that copy: 107.5 ms against its 98.5 ms (phase medians summed), 0.717 of the dense step, +0.150 over (1+2k)/3" in text[2]
 
 
 def test_reuse_over_floor_is_the_median_of_paired_ratios():
@@ -109,7 +115,8 @@ def test_gather_sources_are_what_the_backward_gathers_once_each():
 
 
 def test_floor_text_omits_the_timed_gathers_when_not_measured():
-    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'backward': bwd, 'selector': 1.0, 'gather': 0.5, 'step_ms': 150.0, **kw}
+    row = lambda mode, k, bwd, **kw: {'mode': mode, 'k': k, 'forward': 50.0, 'backward': bwd, 'selector': 1.0, 'gather': 0.5,
+                                      'optimizer': 5.0, 'step_ms': 150.0, **kw}
     acct = dict(saved_mib=300.0, gathered_mib=105.0, floor_saved_mib=110.0, bandwidth_gbs=20.0, gather_copy_ms=11.0)
     rows = [row('dense', 1.0, 300.0), row('kept_only', 0.35, 100.0), row('reuse', 0.35, 120.0, **acct, gather_alone_ms=15.0),
             row('kept_only', 0.69, 200.0), row('reuse', 0.69, 210.0, **acct, gather_alone_ms=float('nan'))]

@@ -15,18 +15,26 @@ Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--re
   op-call      one aten op called through OpOverload, its raw C++ callable, and the torch function
   conv-args    every convolution backward's arguments (shapes, strides, 64-byte alignment, output mask) in reuse's backward
                and in the floor's at K kept rows (default 2), compared as multisets
+  gathers-first
+               reuse's backward with the kept-row copies before its first op (as built) and with each copy moved to
+               right before its value's first use, interleaved with the floor (median of paired ratios to the floor);
+               then the take_rows calls timed inside each placement's backward and the same calls timed alone (warm)
+  gathers-memory
+               peak memory of a step (resident-set sampling, as capskip bench step measures it, under its allocator
+               settings) for dense and for reuse with the copies placed either way, at --keep and at 0.69
   ops          reuse and floor backward interleaved, every aten op timed: per op, the median per-step milliseconds in each
                and their difference (the ops that carry reuse's excess), and the median paired ratio of the backward's
                wall time and of its summed op time (timing each op adds the same per-call cost to both)
 
 Timings are medians; run on a quiet machine, run twice, and compare ratios within one run only. The timed commands of the
-package set glibc allocator tunables (capskip.core.TIMING_ALLOCATOR); this helper re-executes itself with them too.
+package set glibc allocator tunables (capskip.core.TIMING_ALLOCATOR); this helper re-executes itself with them too
+(gathers-memory: with capskip.core.MEMORY_ALLOCATOR, as the bench's memory phase).
 """
 import argparse, os, statistics, sys, time, timeit
 
 import torch
 
-from capskip.core import TIMING_ALLOCATOR
+from capskip.core import MEMORY_ALLOCATOR, TIMING_ALLOCATOR
 
 
 def median_ms(f, n):
@@ -226,8 +234,90 @@ def conv_args(a):
         if x != y: print('  reuse', x, '\n  floor', y)
 
 
+def _at_first_use(gm):
+    "A copy of a sliced backward graph with each take_rows moved to just before its value's first use (as before 2026-12-02)."
+    import copy
+    from capskip.engine._aot import take_rows
+    gm = copy.deepcopy(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in [n for n in gm.graph.nodes if n.op == 'call_function' and n.target is take_rows]:
+        min(n.users, key=order.__getitem__).prepend(n)
+    gm.graph.lint(); gm.recompile()
+    return gm
+
+
+def gathers_first(a):
+    from capskip.engine import reuse as R
+    import capskip.engine._aot as A
+    r, orig, made = runner(a), R.Reuse.sliced_backward, {}
+    def use(place):
+        def sliced(self, traced, saved, B):
+            g, blocks = orig(self, traced, saved, B)
+            if (id(g), place) not in made: made[(id(g), place)] = (g, g if place == 'gathers first' else _at_first_use(g))
+            return made[(id(g), place)][1], blocks
+        R.Reuse.sliced_backward = sliced
+    t = {n: [] for n in ('gathers first', 'at first use', 'floor')}
+    for rep in range(a.repeats + 2):
+        for n in list(t)[rep % len(t):] + list(t)[:rep % len(t)]:   # rotated: no variant always follows the same one
+            if n == 'floor': ms = r.step('kept_only', a.keep)['backward']
+            else: use(n); ms = r.step('reuse', a.keep)['backward']
+            if rep >= 2: t[n].append(ms * 1e3)
+    print(f'{a.model} at {round(a.keep * 128)} kept rows of 128: backward medians, and the median of paired ratios to the floor')
+    for n, v in t.items():
+        ratio = '' if n == 'floor' else f'  {statistics.median([x / y for x, y in zip(v, t["floor"])]):.3f}'
+        print(f'  {n if n != "floor" else "floor (autograd, kept rows)":28s} {statistics.median(v):7.2f} ms{ratio}')
+    calls, spent, take = [], [0.0], A.take_rows
+    def timed(x, d, index):
+        t0 = time.perf_counter(); out = take(x, d, index); spent[0] += time.perf_counter() - t0
+        calls.append((x, d, index)); return out
+    for place in ('gathers first', 'at first use'):
+        use(place)
+        for key, (g, gm) in list(made.items()):       # the same graphs, with take_rows timed
+            if key[1] != place: continue
+            gm = __import__('copy').deepcopy(gm)
+            for n in gm.graph.nodes:
+                if n.target is take: n.target = timed
+            gm.recompile()
+            made[key] = (g, gm)
+        inside, alone, n_calls = [], [], 0
+        for _ in range(a.repeats):
+            calls.clear(); spent[0] = 0.0
+            r.step('reuse', a.keep)
+            inside.append(spent[0] * 1e3)
+            alone.append(sum(min(timeit.repeat(lambda: take(*c), number=1, repeat=5)) for c in calls) * 1e3)
+            n_calls = len(calls); calls.clear()
+        print(f'  take_rows, {place}: {n_calls} calls, {statistics.median(inside):.2f} ms per step inside the backward, '
+              f'{statistics.median(alone):.2f} ms timed alone (warm)')
+    R.Reuse.sliced_backward = orig
+
+
+def gathers_memory(a):
+    from capskip.bench.step import RSSSampler, state_bytes
+    from capskip.engine import reuse as R
+    r, orig, made = runner(a), R.Reuse.sliced_backward, {}
+    def first_use(self, traced, saved, B):
+        g, blocks = orig(self, traced, saved, B)
+        if id(g) not in made: made[id(g)] = _at_first_use(g)
+        return made[id(g)], blocks
+    for k in sorted({a.keep, 0.69}):
+        res = {}
+        for name, fn in (('dense', None), ('gathers first', orig), ('at first use', first_use)):
+            if fn is not None: R.Reuse.sliced_backward = fn
+            cfg = ('dense', 1.0) if fn is None else ('reuse', k)
+            r.step(*cfg); best = 0
+            for _ in range(3):
+                base = state_bytes(r.model, r.opt)
+                with RSSSampler() as s: r.step(*cfg)
+                best = max(best, base + s.peak - s.start)
+            res[name] = best / 2**20
+        R.Reuse.sliced_backward = orig
+        print(f'{a.model} {a.img} px, k = {k}: peak MiB ' + ', '.join(f'{n} {v:.1f}' for n, v in res.items())
+              + f' (reuse ÷ dense: gathers first {res["gathers first"] / res["dense"]:.2f}, at first use {res["at first use"] / res["dense"]:.2f})')
+
+
 PROBES = {'depthwise': depthwise, 'strides-ab': strides_ab, 'pieces': pieces, 'fixed-cost': fixed_cost,
-          'gather-forms': gather_forms, 'op-call': op_call, 'ops': ops, 'conv-args': conv_args}
+          'gather-forms': gather_forms, 'op-call': op_call, 'ops': ops, 'conv-args': conv_args,
+          'gathers-first': gathers_first, 'gathers-memory': gathers_memory}
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -239,6 +329,7 @@ if __name__ == '__main__':
     p.add_argument('--top', type=int, default=12, help='ops: how many ops to list (largest differences first)')
     a = p.parse_args()
     if a.keep is None: a.keep = 2 / 128 if a.probe in ('fixed-cost', 'conv-args') else 0.35
-    if any(os.environ.get(k) != v for k, v in TIMING_ALLOCATOR.items()):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **TIMING_ALLOCATOR})
+    env = MEMORY_ALLOCATOR if a.probe == 'gathers-memory' else TIMING_ALLOCATOR
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **env})
     PROBES[a.probe](a)

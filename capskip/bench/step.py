@@ -310,7 +310,7 @@ def summarize(times: dict, peaks: dict | None, account: dict | None = None) -> l
     return rows
 
 def backward_floor(rows: list[dict]) -> list[dict]:
-    "Per k: eager backward over the kept rows / dense backward (the floor), reuse's backward / that floor, and what the gather accounts for."
+    "Per k: eager backward over the kept rows / dense backward (the floor), reuse's backward / that floor, what the gather accounts for, and reuse's step with its backward at the floor plus the gather at copy bandwidth (`copy_bound`)."
     by = {(r['mode'], r['k']): r for r in rows}
     dense = by[('dense', 1.0)]['backward']
     out = []
@@ -324,6 +324,12 @@ def backward_floor(rows: list[dict]) -> list[dict]:
                'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
         row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms', 'gather_alone_ms')
                     if key in reuse})
+        if math.isfinite(reuse.get('gather_copy_ms', math.nan)):   # reuse's other phases + the floor's backward + the copy
+            others, dense_ms = sum(reuse[ph] for ph in STEP_PHASES if ph != 'backward'), by[('dense', 1.0)]['step_ms']
+            row['reuse_phases_ms'] = others + reuse['backward']
+            row['copy_bound_ms'] = others + floor['backward'] + reuse['gather_copy_ms']
+            row['copy_bound'] = row['copy_bound_ms'] / dense_ms
+            row['copy_bound_overhead'] = row['copy_bound'] - mode_ideal('reuse', k)
         out.append(row)
     return out
 
@@ -345,6 +351,10 @@ def format_floor(rows: list[dict]) -> str:
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
                          f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
                          f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms')
+        if 'copy_bound' in r:
+            lines.append(f'        reuse\'s step with its backward at the floor\'s time plus that copy: {r["copy_bound_ms"]:.1f} ms against '
+                         f'its {r["reuse_phases_ms"]:.1f} ms (phase medians summed), {r["copy_bound"]:.3f} of the dense step, '
+                         f'{r["copy_bound_overhead"]:+.3f} over (1+2k)/3')
             if math.isfinite(r.get('gather_alone_ms', math.nan)):
                 lines.append(f'        the same gathers timed alone in this run: {r["gather_alone_ms"]:.1f} ms '
                              f'({100 * r["gather_alone_ms"] / r["excess_ms"]:.0f}% of the excess over the floor)' if r['excess_ms'] > 0 else
