@@ -351,10 +351,10 @@ def format_floor(rows: list[dict]) -> str:
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
                          f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
                          f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms')
-        if 'copy_bound' in r:
-            lines.append(f'        reuse\'s step with its backward at the floor\'s time plus that copy: {r["copy_bound_ms"]:.1f} ms against '
-                         f'its {r["reuse_phases_ms"]:.1f} ms (phase medians summed), {r["copy_bound"]:.3f} of the dense step, '
-                         f'{r["copy_bound_overhead"]:+.3f} over (1+2k)/3')
+            if 'copy_bound' in r:
+                lines.append(f'        reuse\'s step with its backward at the floor\'s time plus that copy: {r["copy_bound_ms"]:.1f} ms against '
+                             f'its {r["reuse_phases_ms"]:.1f} ms (phase medians summed), {r["copy_bound"]:.3f} of the dense step, '
+                             f'{r["copy_bound_overhead"]:+.3f} over (1+2k)/3')
             if math.isfinite(r.get('gather_alone_ms', math.nan)):
                 lines.append(f'        the same gathers timed alone in this run: {r["gather_alone_ms"]:.1f} ms '
                              f'({100 * r["gather_alone_ms"] / r["excess_ms"]:.0f}% of the excess over the floor)' if r['excess_ms'] > 0 else
