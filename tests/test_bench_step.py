@@ -62,7 +62,8 @@ def test_backward_floor_is_the_reference_backward_over_dense():
     assert 'copy_bound' not in floor[1]                                               # no copy time measured at 0.69
     text = format_floor(floor).splitlines()
     assert len(text) == 4 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
-    assert 'reuse gathers 105.0 MiB per step' in text[1] and 'takes 11.0 ms' in text[1]
+    assert 'reuse gathers 105.0 MiB per step' in text[1] and "takes 11.0 ms (27.5% of the floor's backward)" in text[1]   # 11 of 40 ms
+    assert floor[0]['copy_share'] == pytest.approx(11 / 40)
     assert floor[0]['copy_bound_ms'] == pytest.approx(107.5) and floor[0]['reuse_phases_ms'] == pytest.approx(98.5)
     assert "floor's time plus that copy: 107.5 ms against its 98.5 ms (phase medians summed), 0.717 of the dense step, +0.150 over (1+2k)/3" in text[2]
 

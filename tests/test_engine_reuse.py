@@ -313,32 +313,3 @@ def test_take_rows_of_a_value_that_requires_grad():
     got.sum().backward()
     assert t.grad.sum() == 3 * 6
 
-
-def test_every_full_batch_value_is_dropped_before_the_backward_kernels():
-    "The sliced backward copies all kept rows first: by its first kernel no B-row saved value is alive (so peak memory stays at or below the forward's)."
-    import weakref
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from capskip.engine.layouts import is_rows
-    model = tiny_cnn()
-    g = torch.Generator().manual_seed(4)
-    x, y = torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, 5, (B,), generator=g)
-    engine = Engine(model, 'reuse')
-    fwd = engine.forward(x)
-    specs = fwd.state.traced.bw_inputs
-    refs = [weakref.ref(fwd.state.saved[s[1]]) for s in specs if s[0] == 'saved' and is_rows(s[2])
-            and fwd.state.saved[s[1]] is not x]             # the input batch itself is the caller's
-    assert len(refs) >= 6                                   # convolution, norm and activation inputs of two blocks
-    copies = {torch.ops.aten.index_select.default, torch.ops.aten.empty_strided.default}
-
-    class FirstKernel(TorchDispatchMode):
-        armed, alive = False, None                          # armed by the graph's first copy of a saved value
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.index_select.default and any(args[0] is r() for r in refs): self.armed = True
-            elif self.armed and self.alive is None and func not in copies: self.alive = sum(r() is not None for r in refs)
-            return func(*args, **(kwargs or {}))
-
-    w = (torch.arange(B) % 3 != 0).float()
-    grad = torch.softmax(fwd.logits, 1) * w[:, None]          # any upstream gradient: only the order of ops is checked
-    with FirstKernel() as mode:
-        engine.backward(fwd, grad, w > 0)
-    assert mode.alive == 0, f'{mode.alive} of {len(refs)} B-row saved values still alive at the first backward kernel'

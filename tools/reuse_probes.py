@@ -16,12 +16,15 @@ Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--re
   conv-args    every convolution backward's arguments (shapes, strides, 64-byte alignment, output mask) in reuse's backward
                and in the floor's at K kept rows (default 2), compared as multisets
   gathers-first
-               reuse's backward with the kept-row copies before its first op (as built) and with each copy moved to
-               right before its value's first use, interleaved with the floor (median of paired ratios to the floor);
-               then the take_rows calls timed inside each placement's backward and the same calls timed alone (warm)
+               reuse's backward with each kept-row copy right before its value's first use (as built) and with every
+               copy moved before the first op (tried, not adopted), interleaved with the floor (median of paired
+               ratios to the floor);
+               then the take_rows calls timed inside each placement's backward and the same calls timed alone (warm; the
+               timed pass holds each copied value until its step ends, in both placements)
   gathers-memory
-               peak memory of a step (resident-set sampling, as capskip bench step measures it, under its allocator
-               settings) for dense and for reuse with the copies placed either way, at --keep and at 0.69
+               peak memory of a step for dense and reuse at --keep and at 0.69, with the copies placed either way, each
+               placement in a fresh process running the bench's memory phase (capskip bench step's resident-set
+               sampling over every configuration, under its allocator settings)
   ops          reuse and floor backward interleaved, every aten op timed: per op, the median per-step milliseconds in each
                and their difference (the ops that carry reuse's excess), and the median paired ratio of the backward's
                wall time and of its summed op time (timing each op adds the same per-call cost to both)
@@ -30,7 +33,7 @@ Timings are medians; run on a quiet machine, run twice, and compare ratios withi
 package set glibc allocator tunables (capskip.core.TIMING_ALLOCATOR); this helper re-executes itself with them too
 (gathers-memory: with capskip.core.MEMORY_ALLOCATOR, as the bench's memory phase).
 """
-import argparse, os, statistics, sys, time, timeit
+import argparse, copy, os, statistics, sys, time, timeit
 
 import torch
 
@@ -234,15 +237,18 @@ def conv_args(a):
         if x != y: print('  reuse', x, '\n  floor', y)
 
 
-def _at_first_use(gm):
-    "A copy of a sliced backward graph with each take_rows moved to just before its value's first use (as before 2026-12-02)."
-    import copy
-    from capskip.engine._aot import take_rows
+def _gathers_first(gm):
+    "A copy of a sliced backward graph with every kept-row copy (take_rows; a shared storage's block gather and its members' views) moved before the first op, in graph order (tried 2026-12-02, not adopted)."
+    from capskip.engine._aot import merged_rows, take_rows
+    from capskip.engine.gathers import rows_view
     gm = copy.deepcopy(gm)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in [n for n in gm.graph.nodes if n.op == 'call_function' and n.target is take_rows]:
-        min(n.users, key=order.__getitem__).prepend(n)
-    gm.graph.lint(); gm.recompile()
+    g = gm.graph
+    block = lambda n: (n.target is torch.ops.aten.index_select.default and n.args[0].op == 'placeholder'
+                       and n.args[0].name.startswith('capskip_block'))
+    moves = [n for n in g.nodes if n.op == 'call_function' and (n.target in (take_rows, rows_view) or block(n))]
+    anchor = next(n for n in g.nodes if n.op not in ('placeholder',) and n not in moves and n.target is not merged_rows)
+    for n in moves: anchor.prepend(n)
+    g.lint(); gm.recompile()
     return gm
 
 
@@ -253,10 +259,10 @@ def gathers_first(a):
     def use(place):
         def sliced(self, traced, saved, B):
             g, blocks = orig(self, traced, saved, B)
-            if (id(g), place) not in made: made[(id(g), place)] = (g, g if place == 'gathers first' else _at_first_use(g))
+            if (id(g), place) not in made: made[(id(g), place)] = (g, g if place == 'at first use' else _gathers_first(g))
             return made[(id(g), place)][1], blocks
         R.Reuse.sliced_backward = sliced
-    t = {n: [] for n in ('gathers first', 'at first use', 'floor')}
+    t = {n: [] for n in ('at first use', 'gathers first', 'floor')}
     for rep in range(a.repeats + 2):
         for n in list(t)[rep % len(t):] + list(t)[:rep % len(t)]:   # rotated: no variant always follows the same one
             if n == 'floor': ms = r.step('kept_only', a.keep)['backward']
@@ -270,11 +276,11 @@ def gathers_first(a):
     def timed(x, d, index):
         t0 = time.perf_counter(); out = take(x, d, index); spent[0] += time.perf_counter() - t0
         calls.append((x, d, index)); return out
-    for place in ('gathers first', 'at first use'):
+    for place in ('at first use', 'gathers first'):
         use(place)
         for key, (g, gm) in list(made.items()):       # the same graphs, with take_rows timed
             if key[1] != place: continue
-            gm = __import__('copy').deepcopy(gm)
+            gm = copy.deepcopy(gm)
             for n in gm.graph.nodes:
                 if n.target is take: n.target = timed
             gm.recompile()
@@ -291,28 +297,35 @@ def gathers_first(a):
     R.Reuse.sliced_backward = orig
 
 
-def gathers_memory(a):
-    from capskip.bench.step import RSSSampler, state_bytes
+def _placement_peaks(a):
+    "In this process: the bench's memory phase (every configuration) with the copies placed as --place says; JSON on stdout."
+    import json
+    from capskip.bench.step import measure_cpu_memory
     from capskip.engine import reuse as R
     r, orig, made = runner(a), R.Reuse.sliced_backward, {}
-    def first_use(self, traced, saved, B):
+    def first(self, traced, saved, B):
         g, blocks = orig(self, traced, saved, B)
-        if id(g) not in made: made[id(g)] = _at_first_use(g)
+        if id(g) not in made: made[id(g)] = _gathers_first(g)
         return made[id(g)], blocks
+    if a.place == 'gathers first': R.Reuse.sliced_backward = first
+    peaks = measure_cpu_memory(r, sorted({a.keep, 0.69}), steps=3)
+    print(json.dumps({f'{m}@{k}': v for (m, k), v in peaks.items()}))
+
+
+def gathers_memory(a):
+    import json, subprocess
+    got = {}
+    for place in ('at first use', 'gathers first'):       # each in a fresh process, as the bench's memory phase runs
+        cmd = [sys.executable, __file__, 'gathers-memory', '--model', a.model, '--img', str(a.img), '--keep', str(a.keep),
+               '--place', place]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        got[place] = json.loads(out.strip().splitlines()[-1])
     for k in sorted({a.keep, 0.69}):
-        res = {}
-        for name, fn in (('dense', None), ('gathers first', orig), ('at first use', first_use)):
-            if fn is not None: R.Reuse.sliced_backward = fn
-            cfg = ('dense', 1.0) if fn is None else ('reuse', k)
-            r.step(*cfg); best = 0
-            for _ in range(3):
-                base = state_bytes(r.model, r.opt)
-                with RSSSampler() as s: r.step(*cfg)
-                best = max(best, base + s.peak - s.start)
-            res[name] = best / 2**20
-        R.Reuse.sliced_backward = orig
-        print(f'{a.model} {a.img} px, k = {k}: peak MiB ' + ', '.join(f'{n} {v:.1f}' for n, v in res.items())
-              + f' (reuse ÷ dense: gathers first {res["gathers first"] / res["dense"]:.2f}, at first use {res["at first use"] / res["dense"]:.2f})')
+        dense = {n: p['dense@1.0'] for n, p in got.items()}
+        reuse = {n: p[f'reuse@{k}'] for n, p in got.items()}
+        print(f'{a.model} {a.img} px, k = {k}: peak MiB ' + ', '.join(f'{n}: reuse {reuse[n] / 2**20:.1f}, dense {dense[n] / 2**20:.1f}'
+                                                                     for n in got)
+              + ' (reuse ÷ dense: ' + ', '.join(f'{n} {reuse[n] / dense[n]:.2f}' for n in got) + ')')
 
 
 PROBES = {'depthwise': depthwise, 'strides-ab': strides_ab, 'pieces': pieces, 'fixed-cost': fixed_cost,
@@ -327,9 +340,10 @@ if __name__ == '__main__':
     p.add_argument('--keep', type=float, default=None, help='kept fraction (default: 2/128 for fixed-cost and conv-args, 0.35 otherwise)')
     p.add_argument('--repeats', type=int, default=11)
     p.add_argument('--top', type=int, default=12, help='ops: how many ops to list (largest differences first)')
+    p.add_argument('--place', choices=('at first use', 'gathers first'), help=argparse.SUPPRESS)   # gathers-memory's child processes
     a = p.parse_args()
     if a.keep is None: a.keep = 2 / 128 if a.probe in ('fixed-cost', 'conv-args') else 0.35
     env = MEMORY_ALLOCATOR if a.probe == 'gathers-memory' else TIMING_ALLOCATOR
     if any(os.environ.get(k) != v for k, v in env.items()):
         os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **env})
-    PROBES[a.probe](a)
+    (_placement_peaks if a.place else PROBES[a.probe])(a)

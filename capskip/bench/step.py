@@ -328,6 +328,7 @@ def backward_floor(rows: list[dict]) -> list[dict]:
             others, dense_ms = sum(reuse[ph] for ph in STEP_PHASES if ph != 'backward'), by[('dense', 1.0)]['step_ms']
             row['reuse_phases_ms'] = others + reuse['backward']
             row['copy_bound_ms'] = others + floor['backward'] + reuse['gather_copy_ms']
+            row['copy_share'] = reuse['gather_copy_ms'] / floor['backward']   # what the copy alone adds to a backward at the floor
             row['copy_bound'] = row['copy_bound_ms'] / dense_ms
             row['copy_bound_overhead'] = row['copy_bound'] - mode_ideal('reuse', k)
         out.append(row)
@@ -350,7 +351,7 @@ def format_floor(rows: list[dict]) -> str:
             lines.append(f'        reuse gathers {r["gathered_mib"]:.1f} MiB per step (the kept rows of {r["saved_mib"]:.1f} MiB of '
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
                          f'at {r["bandwidth_gbs"]:.1f} GB/s (copy bandwidth measured in this run) reading and writing the '
-                         f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms')
+                         f'gathered bytes takes {r["gather_copy_ms"]:.1f} ms' + (f' ({100 * r["copy_share"]:.1f}% of the floor\'s backward)' if 'copy_share' in r else ''))
             if 'copy_bound' in r:
                 lines.append(f'        reuse\'s step with its backward at the floor\'s time plus that copy: {r["copy_bound_ms"]:.1f} ms against '
                              f'its {r["reuse_phases_ms"]:.1f} ms (phase medians summed), {r["copy_bound"]:.3f} of the dense step, '
