@@ -6,9 +6,9 @@
 __all__ = []
 
 # %% ../nbs/09e_main.ipynb #0a502c36
-#| eval: false
 import sys
 
 from .cli import main
 
-if __name__ == '__main__': sys.exit(main())
+# A Jupyter kernel runs cells as `__main__` too (Run All reaches this cell): the kernel defines `get_ipython`, a script does not.
+if __name__ == '__main__' and 'get_ipython' not in globals(): sys.exit(main())

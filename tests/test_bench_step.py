@@ -12,7 +12,10 @@ def test_bench_step_table_structure(tmp_path, capsys):
     rc = main(['--model', 'digits_cnn', '--img', '8', '--batch', '8', '--num-classes', '10', '--keep', '0.5',
                '--repeats', '2', '--warmup', '1', '--json', str(out_json)])
     assert rc == 0
-    lines = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    # the measuring subprocess's progress comes through this process's sys.stderr (captured, never leaking into pytest's output)
+    assert '  repetition 2/2 done' in captured.err.splitlines()
     head = next(i for i, l in enumerate(lines) if l.split()[:2] == ['mode', 'k'])
     columns = lines[head].split()
     assert columns[:8] == ['mode', 'k', 'ratio', 'ideal', 'overhead', 'peak_mem', 'peak_MiB', 'step_ms']

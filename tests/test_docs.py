@@ -264,6 +264,28 @@ def test_system_deps_without_a_browser_says_what_to_do(case, tmp_path):
     assert not (tmp_path / 'apt-ran').exists()
 
 
+def test_system_deps_says_it_installs_chromium_before_apt_runs(tmp_path):
+    """As root with apt and no browser, one line (naming the size and CAPSKIP_CHROMIUM) comes before apt-get runs.
+    apt-get is a fake that records its arguments and whether the announcement was already on stderr."""
+    if sys.platform != 'linux' or os.geteuid() != 0 or not shutil.which('unshare'):
+        pytest.skip('hiding the browsers needs root and unshare (Linux); this machine cannot simulate a browserless one')
+    probe = subprocess.run(['unshare', '-m', 'true'], capture_output=True)
+    if probe.returncode != 0: pytest.skip(f'unshare -m is not permitted here: {probe.stderr.decode().strip()}')
+    fake, err = tmp_path / 'bin', tmp_path / 'stderr.txt'
+    fake.mkdir()
+    (fake / 'python').symlink_to(sys.executable)
+    (fake / 'id').symlink_to(shutil.which('id'))
+    (fake / 'apt-get').write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/apt-ran\n{shutil.which("cat")} {err} >> {tmp_path}/seen-before-apt\n')
+    (fake / 'apt-get').chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in (CHROMIUM_ENV, SKIP_BROWSER_ENV)}
+    script = f'{_hide_browsers()} && PATH={fake} {shutil.which("bash")} {ROOT}/.ci/system-deps 2> {err}'
+    out = subprocess.run(['unshare', '-m', 'bash', '-c', script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out
+    assert (tmp_path / 'apt-ran').read_text().splitlines()[-1].startswith('install -y -q --no-install-recommends chromium')
+    seen = (tmp_path / 'seen-before-apt').read_text()
+    assert 'installing Debian\'s chromium with apt-get' in seen and 'CAPSKIP_CHROMIUM=' in seen, seen
+
+
 def test_system_deps_finds_the_browser_and_reports_an_opt_out_loudly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (CHROMIUM_ENV, SKIP_BROWSER_ENV)}
     env['PATH'] = f'{Path(sys.executable).parent}:{env.get("PATH", "")}'

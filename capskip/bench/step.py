@@ -408,11 +408,18 @@ def run_phase(bench: StepBench, phase: str) -> dict:
 
 def launch_phase(bench: StepBench, phase: str, env_extra: dict[str, str]) -> dict:
     "Run `phase` in a fresh `python -m capskip.bench.step` process with allocator settings `env_extra`; its result."
-    proc = subprocess.run([sys.executable, '-m', 'capskip.bench.step', json.dumps(asdict(bench)), phase],
-                          env={**os.environ, **env_extra}, stdout=subprocess.PIPE, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    proc = subprocess.Popen([sys.executable, '-m', 'capskip.bench.step', json.dumps(asdict(bench)), phase],
+                            env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    def relay():     # progress lines pass through this process's sys.stderr (so pytest and notebooks capture them)
+        for line in proc.stderr: err.append(line); sys.stderr.write(line); sys.stderr.flush()
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
+    out = proc.stdout.read()
+    proc.wait(); relay_thread.join()
+    lines = [l for l in out.splitlines() if l.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f'bench step {phase} process failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}')
+        raise RuntimeError(f'bench step {phase} process failed (exit {proc.returncode}):\n{out[-1000:]}{"".join(err)[-2000:]}')
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 def measure(bench: StepBench) -> tuple[list[dict], str]:
@@ -429,6 +436,7 @@ def measure(bench: StepBench) -> tuple[list[dict], str]:
     return summarize(times, peaks, acct), how
 
 # %% ../../nbs/08b_bench_step.ipynb #c8a85fa9
-#| eval: false
-if __name__ == '__main__':      # `python -m capskip.bench.step SETTINGS_JSON time|memory` (started by `launch_phase`)
+# `python -m capskip.bench.step SETTINGS_JSON time|memory` (started by `launch_phase`). A Jupyter kernel also runs cells
+# as `__main__` (Run All executes this cell too), so the kernel, which defines `get_ipython`, is told apart.
+if __name__ == '__main__' and 'get_ipython' not in globals():
     print(RESULT_PREFIX + json.dumps(run_phase(StepBench(**json.loads(sys.argv[1])), sys.argv[2])), flush=True)
