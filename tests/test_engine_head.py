@@ -91,8 +91,8 @@ def test_model_returning_a_tuple_is_refused():
 def test_head_is_verified_once_per_signature_and_leaves_no_trace(monkeypatch):
     import capskip.engine.head as head
     calls = []
-    real = head.locate_head
-    monkeypatch.setattr(head, 'locate_head', lambda *a: calls.append(1) or real(*a))
+    real = head.head_call
+    monkeypatch.setattr(head, 'head_call', lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 5))
     x, y = data()

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'find_head', 'resolve_head', 'HeadError', 'passes_through', 'ops_between', 'locate_head',
+__all__ = ['PASS_THROUGH', 'find_head', 'resolve_head', 'HeadError', 'passes_through', 'ops_between', 'head_call', 'locate_head',
            'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
@@ -89,8 +89,8 @@ def _what_follows(out, head_out, calls: list, names: dict, model: nn.Module) -> 
         if part not in parts: parts.append(part)
     return 'it is followed by ' + ', '.join(parts)
 
-def locate_head(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> nn.Module:
-    "The affine module whose output is the model's output on `x` (`head` if given, verified); raises `HeadError`."
+def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple[nn.Module, int, int]:
+    "The head on `x` (as `locate_head`), which of its calls in the forward made the model's output (0-based), and how many calls it had."
     xin = (x[:2] if x.shape[0] >= 2 else x).detach().clone()
     if xin.is_floating_point(): xin.requires_grad_(True)     # an autograd graph to follow, even with frozen weights
     calls: list = []
@@ -110,51 +110,107 @@ def locate_head(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None
         got = f'a tensor of shape {tuple(out.shape)}' if isinstance(out, torch.Tensor) else f'a {type(out).__name__}'
         raise HeadError(f'{type(model).__name__} returns {got}; CAPSkip needs the model to return one logits tensor '
                         '[B, C] (return the logits only, without auxiliary or distillation outputs)')
-    cands = [(m, i, o) for m, i, o in calls if isinstance(o, torch.Tensor)
-             and (m is head if head is not None else isinstance(m, nn.Linear))]
+    seen: dict = {}                                      # module -> calls so far
+    cands = []
+    for m, i, o in calls:
+        seen[m] = seen.get(m, 0) + 1
+        if isinstance(o, torch.Tensor) and (m is head if head is not None else isinstance(m, nn.Linear)):
+            cands.append((m, i, o, seen[m] - 1))
     if not cands:
         raise HeadError(f'the head {_describe(head, names)} was not called in the forward' if head is not None else
                         f'no nn.Linear ran in the forward of {type(model).__name__}: pass head=<the final affine module>')
-    found = [(m, i) for m, i, o in cands if passes_through(out, o)]
+    found = [(m, i, k) for m, i, o, k in cands if passes_through(out, o)]
     if found:
-        m, inputs = found[-1]
+        m, inputs, k = found[-1]
         feats = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if feats is None or feats.ndim != 2:
             raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))}; '
                             'the selector needs features [B, d]: apply the head to pooled features')
-        return m
-    m, _, o = cands[-1]
+        return m, k, seen[m]
+    m, _, o, _ = cands[-1]
     raise HeadError(f"the model's output is not the output of its head {_describe(m, names)}: "
                     f'{_what_follows(out, o, calls, names, model)}, so the selector would budget the head\'s gradient as '
                     'if its output were the logits. Fix: return the raw logits from forward() (apply a softmax, '
                     'temperature or scale in the loss instead), or pass head=<the affine module whose output the model returns>')
 
+def locate_head(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> nn.Module:
+    "The affine module whose output is the model's output on `x` (`head` if given, verified); raises `HeadError`."
+    return head_call(model, x, head)[0]
+
 # %% ../../nbs/01b_head.ipynb #9ef6db2b
 class HeadCapture:
-    "A forward hook on `head` keeping its (detached) input; with `model`, `verify(x)` finds/verifies the head per input signature."
+    "A forward hook on `head` keeping its (detached) input; with `model`, `verify(x)` finds/verifies the head per input signature, follows its replacement, and picks the call that makes the logits."
     def __init__(self, head: nn.Module, model: nn.Module | None = None, explicit: bool = True):
         self.head, self.value, self.model, self.explicit, self.verified = head, None, model, explicit, set()
-        self._handle = head.register_forward_hook(self._store)
+        self.call, self.calls = None, 0                  # the head's call that makes the logits (None: the last); calls so far
+        self._handle, self._reset = head.register_forward_hook(self._store), None
+        self.path = self._path_of(head)
+
+    def _path_of(self, module: nn.Module) -> str | None:
+        "Where `module` sits in the model (None without a model, or if it is not in it)."
+        if self.model is None: return None
+        return next((n for n, m in self.model.named_modules() if m is module), None)
 
     def _store(self, module, inputs, output):
-        self.value = inputs[0].detach()
+        if self.call is None: self.value = inputs[0].detach(); return
+        if self.calls == self.call: self.value = inputs[0].detach()
+        self.calls += 1
 
-    def verify(self, x: torch.Tensor) -> None:
-        "Find (or verify, if explicit) the head on `x`'s signature and hook it; raises `HeadError`."
-        if self.model is None: return
-        sig = (tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
-        if sig in self.verified: return
-        head = locate_head(self.model, x, self.head if self.explicit else None)
-        self.value = None
+    def _begin(self, module, inputs):
+        self.calls = 0
+
+    def _hook(self, head: nn.Module, call: int | None) -> None:
+        "Move the hook to `head` (its call `call` makes the logits; None: its last call)."
         if head is not self.head:
             self._handle.remove()
-            self.head, self._handle = head, head.register_forward_hook(self._store)
-        self.verified.add(sig)
+            self.head, self._handle, self.path = head, head.register_forward_hook(self._store), self._path_of(head)
+        self.call = call
+        if call is not None and self._reset is None: self._reset = self.model.register_forward_pre_hook(self._begin)
+        if call is None and self._reset is not None: self._reset.remove(); self._reset = None
+
+    def _describe(self) -> str:
+        return f'`{self.path}` ({type(self.head).__name__})' if self.path else type(self.head).__name__
+
+    def _replaced(self) -> nn.Module | None:
+        "The module now where the head was, if the head was replaced in the model (or None when it was not)."
+        if self.path is None: return None
+        try: now = self.model.get_submodule(self.path)
+        except AttributeError: now = False
+        return None if now is self.head else now
+
+    def verify(self, x: torch.Tensor) -> None:
+        "Find (or verify, if explicit) the head on `x`'s signature and hook the call that makes the logits; raises `HeadError`."
+        if self.model is None: return
+        now = self._replaced()
+        if now is not None:                              # replaced after construction: find or verify it again
+            self.verified.clear()
+            if self.explicit and not isinstance(now, nn.Module):
+                raise HeadError(f'the head {self._describe()} given as head= is no longer in {type(self.model).__name__} '
+                                '(replaced or deleted after the Engine was built): build the Engine (or CAPSkip) again with '
+                                'head=<the new head>')
+            old = self._describe()
+            if isinstance(now, nn.Module): self._hook(now, None)
+            if self.explicit:
+                try: head, call, n = head_call(self.model, x, self.head)
+                except HeadError as err:
+                    raise HeadError(f'the head {old} given as head= was replaced after the Engine was built, by '
+                                    f'{type(now).__name__}, and that is not a head: {err}') from None
+                return self._verified(x, head, call, n)
+        sig = (tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
+        if sig in self.verified: return
+        self._verified(x, *head_call(self.model, x, self.head if self.explicit else None))
+
+    def _verified(self, x: torch.Tensor, head: nn.Module, call: int, n: int) -> None:
+        self.value = None
+        self._hook(head, None if call == n - 1 else call)
+        self.verified.add((tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training))
 
     def take(self) -> torch.Tensor:
         "The captured features, once (the capture is empty afterwards)."
         feats, self.value = self.value, None
-        if feats is None: raise RuntimeError('the head was not called in the forward: pass head=<final affine module>')
+        if feats is None:
+            raise RuntimeError(f'the head was not called in the forward ({self._describe()}): pass head=<the module whose '
+                               'output the model returns>')
         return feats
 
     def clear(self) -> None:
@@ -162,5 +218,6 @@ class HeadCapture:
         self.value = None
 
     def close(self) -> None:
-        "Remove the hook."
+        "Remove the hooks."
         self._handle.remove()
+        if self._reset is not None: self._reset.remove(); self._reset = None
