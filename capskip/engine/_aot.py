@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .head import HeadCapture
 from .layouts import factors, graph_layouts, is_rows, row_index, rows_of, sym_expr
-from .probe import mixing_cause, poisoned
+from .probe import INTEGER_PATHS, check_finite, fingerprints, mixing_cause, probe_inputs
 from .types import RowDependenceError, row_dependence_error
 
 log = logging.getLogger('capskip.engine')
@@ -328,30 +328,54 @@ def _module_at(node: fx.Node | None, model: nn.Module) -> nn.Module | None:
     try: return model.get_submodule(path) if path else model
     except AttributeError: return None
 
-def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor, row: int = 0) -> None:
-    "Raise `RowDependenceError` naming the op whose saved value mixes rows when row `row` of `x` is NaN."
-    xp = poisoned(x, row)
-    B = xp.shape[0]
-    devices = [xp.device] if xp.device.type == 'cuda' else []
+def _traced_run(traced: Traced, model: nn.Module, x: torch.Tensor, checks: list) -> tuple[list, dict]:
+    "The forward graph's outputs on `x` (from a copy of the RNG state) and a fingerprint per row of each checked value."
+    devices = [x.device] if x.device.type == 'cuda' else []
     with torch.random.fork_rng(devices=devices):
-        logits, feats, out = run_forward(traced, model, xp)
+        out = run_forward(traced, model, x)[2]
+    B = x.shape[0]
+    return out, {pos: fingerprints(rows_of(out[pos], lay, B) if is_rows(lay) else out[pos].reshape(1, -1))
+                 for pos, lay in checks if isinstance(out[pos], torch.Tensor)}
+
+def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor) -> None:
+    "Raise `RowDependenceError` naming the op whose saved value mixes rows: a NaN in row 0 of `x` reaches another row, or changing rows (`probe_inputs`) changes a bit of another row."
+    check_finite(x)
+    clean, xnan, xswap, swapped = probe_inputs(x)
+    B = clean.shape[0]
     fw_out = _outputs(traced.fw)
     order = {n: i for i, n in enumerate(traced.fw.graph.nodes)}
     saved = sorted({(s[1], s[2]) for s in traced.bw_inputs if s[0] == 'saved'},
                    key=lambda pl: order.get(fw_out[pl[0]], -1) if isinstance(fw_out[pl[0]], fx.Node) else -1)
-    checks = saved + [(0, ('batch', 0)), (1, ('batch', 0))]   # in execution order: the first offender is named
-    for pos, lay in checks:
+    checks = [(pos, lay) for pos, lay in saved + [(0, ('batch', 0)), (1, ('batch', 0))]   # in execution order
+              if lay[0] not in ('sym', 'unknown')]
+    def refuse(pos: int, detail: str):
+        node = fw_out[pos] if isinstance(fw_out[pos], fx.Node) else None
+        where = _module_of(node) if node is not None else f'output {pos}'
+        cause = 'batchnorm' if 'batch_norm' in str(getattr(node, 'target', '')) else mixing_cause(_module_at(node, model))
+        raise row_dependence_error(where, detail, cause)
+    out, plain = _traced_run(traced, model, clean, checks)
+    before = {pos: ~torch.isfinite(out[pos]) for pos, _ in checks if isinstance(out[pos], torch.Tensor)
+              and out[pos].is_floating_point() and not bool(torch.isfinite(out[pos]).all())}
+    del out
+    out, poisoned_rows = _traced_run(traced, model, xnan, checks)
+    for pos, lay in checks:                              # 1. the NaN stays in row 0
         t = out[pos]
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or lay[0] in ('sym', 'unknown'): continue
-        bad = ~torch.isfinite(t)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point(): continue
+        bad = ~torch.isfinite(t) & ~before[pos] if pos in before else ~torch.isfinite(t)
         if lay[0] == 'static': ok = not bool(bad.any())
-        else:
-            per_row = rows_of(bad, lay, B).any(1)
-            ok = not bool(torch.cat([per_row[:row], per_row[row + 1:]]).any())
-        if not ok:
-            node = fw_out[pos] if isinstance(fw_out[pos], fx.Node) else None
-            where = _module_of(node) if node is not None else f'output {pos}'
-            detail = ('a batch-free saved value depends on the input' if lay[0] == 'static'
-                      else f'a NaN in one input row reached other rows of a saved value laid out as {lay}')
-            cause = 'batchnorm' if 'batch_norm' in str(getattr(node, 'target', '')) else mixing_cause(_module_at(node, model))
-            raise row_dependence_error(where, detail, cause)
+        else: ok = not bool(rows_of(bad, lay, B).any(1)[1:].any())
+        if not ok: refuse(pos, 'a batch-free saved value depends on the input' if lay[0] == 'static'
+                          else f'a NaN in one input row reached other rows of a saved value laid out as {lay}')
+    del out
+    again = None                                         # 2. the rows not changed come out bit for bit
+    for got, moved in ((poisoned_rows, range(1)), (_traced_run(traced, model, xswap, checks)[1], swapped)):
+        for pos, lay in checks:
+            if pos not in got or pos not in plain: continue
+            diff = got[pos] != plain[pos]
+            if is_rows(lay): diff[list(moved)] = False
+            if not bool(diff.any()): continue
+            if again is None: again = _traced_run(traced, model, clean, checks)[1]
+            if bool((again[pos] != plain[pos]).any()): continue   # not reproducible run to run: the eager probe decides
+            what = 'row 0 to NaN' if len(moved) == 1 else f'rows 0-{len(moved) - 1}'
+            refuse(pos, f'changing {what} changed {"other rows of " if is_rows(lay) else ""}a saved value laid out as '
+                        f'{lay}, bit for bit, although no NaN crossed rows: {INTEGER_PATHS}')

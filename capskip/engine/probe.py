@@ -13,8 +13,8 @@ import torch.nn as nn
 from .types import RowDependenceError, row_dependence_error
 
 # %% auto #0
-__all__ = ['SUBSET_TOL', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints', 'mixing_cause',
-           'probe_modules', 'module_states', 'RowProbe']
+__all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
+           'mixing_cause', 'probe_modules', 'module_states', 'RowProbe']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -191,7 +191,7 @@ def _first_moved(model: nn.Module, clean: torch.Tensor, xin: torch.Tensor, rows,
     _hooked(model, xin, compare)
     return found[0] if found else (f'the output of {type(model).__name__}', None, ())
 
-_INTEGER_PATHS = ('rows mix through an integer path (argmax/top-k routing with a batch-wide capacity, a sort, a count) or a '
+INTEGER_PATHS = ('rows mix through an integer path (argmax/top-k routing with a batch-wide capacity, a sort, a count) or a '
                   'NaN-skipping statistic (nanmean)')
 
 def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
@@ -232,7 +232,7 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
         what = 'row 0 to NaN' if len(moved) == 1 else f'rows 0-{len(moved) - 1}'
         how = 'by more than 16x the run-to-run noise' if noisy else 'bit for bit'
         raise row_dependence_error(where, f'changing {what} changed other rows of an output of shape {shape} {how}, '
-                                   f'although no NaN crossed rows: {_INTEGER_PATHS}', mixing_cause(module))
+                                   f'although no NaN crossed rows: {INTEGER_PATHS}', mixing_cause(module))
     h = batch // 2
     if drew[0] or batch - h < 2: return                  # random masks drawn at another batch size differ: no subset check
     try: sub = _hooked(model, clean[h:])
@@ -241,7 +241,7 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
     if drift > SUBSET_TOL:
         raise row_dependence_error(f'the output of {type(model).__name__}', f'rows {h}-{batch - 1} run alone came out '
                                    f'{drift:.2g} (relative) away from the same rows in the whole batch: the output depends on '
-                                   f'the batch size or on a row\'s position, {_INTEGER_PATHS}')
+                                   f'the batch size or on a row\'s position, {INTEGER_PATHS}')
 
 # %% ../../nbs/01c_probe.ipynb #3ee763b1
 def module_states(model: nn.Module) -> tuple:
