@@ -43,7 +43,7 @@ def test_check_refuses_batchnorm_with_exit_2(capsys):
 
 
 def test_check_exits_1_above_the_tolerance(monkeypatch, capsys):
-    monkeypatch.setattr(method, 'TOLERANCE', -1.0)
+    monkeypatch.setattr('capskip.engine.check.TOLERANCE', -1.0)     # check_main imports it when it runs
     assert check_main(['--model', 'digits_cnn', '--img', '16', '--batch', '4', '--mode', 'reforward']) == 1
     assert 'FAILED' in capsys.readouterr().out
 

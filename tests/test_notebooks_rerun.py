@@ -141,3 +141,15 @@ def test_rerun_matches_committed_outputs(rel):
     rerun = json.loads(json.dumps(execute(rel)))
     problems = differences(committed, rerun)
     assert not problems, f'{rel} reruns to other results than it shows:\n' + '\n'.join(problems)
+
+
+def test_progress_bars_render_as_widgets_in_a_kernel():
+    "tqdm's notebook bars need ipywidgets (settings.ini dev extras): without it a kernel warns 'IProgress not found'."
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('from tqdm.auto import tqdm\nfor _ in tqdm(range(3)): pass')])
+    os.environ['PATH'] = f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'
+    NotebookClient(nb, timeout=120, kernel_name='python3').execute()
+    outputs = nb.cells[0].outputs
+    assert not any('IProgress' in ''.join(o.get('text', '')) for o in outputs), outputs
+    assert any('application/vnd.jupyter.widget-view+json' in o.get('data', {}) for o in outputs), outputs

@@ -108,3 +108,104 @@ def test_demo_arms_and_recipe_are_checked_before_any_training(argv, message, tmp
     out = tmp_path / 'demo'
     assert message in usage_error(capsys, demo_main, argv + ['--out', str(out)])
     assert not out.exists()
+
+
+# --- every command answers --help and a usage error at once (before torch is imported), and documents every option ---
+
+ANSWER = r'''
+import contextlib, io, json, sys
+from capskip.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try: code = main(json.loads(sys.argv[1]))
+    except SystemExit as e: code = e.code
+print(json.dumps({'code': code, 'torch': 'torch' in sys.modules, 'out': out.getvalue(), 'err': err.getvalue()}))
+'''
+
+
+def command_words() -> list[list[str]]:
+    "Every command as the words that name it: `train`, ..., and `bench selector`, `bench step`."
+    from capskip.cli import COMMANDS
+    from capskip.cli.tools import BENCH_COMMANDS
+    return [w for name in COMMANDS for w in ([['bench', b] for b in BENCH_COMMANDS] if name == 'bench' else [[name]])]
+
+
+def parsers() -> dict:
+    "Each command's argument parser, taken from its main as it parses (no command runs)."
+    import argparse
+    from unittest import mock
+    from capskip.cli import main
+    captured, parse = {}, argparse.ArgumentParser.parse_args
+    class Parsed(Exception): pass
+    def grab(self, args=None, namespace=None):
+        if self.prog in ('capskip', 'capskip bench'): return parse(self, args, namespace)   # the dispatch tables
+        captured[self.prog] = self
+        raise Parsed
+    with mock.patch.object(argparse.ArgumentParser, 'parse_args', grab):
+        for words in command_words():
+            with pytest.raises(Parsed): main(words)
+    return captured
+
+
+def answer(words: list[str]) -> dict:
+    import json
+    out = subprocess.run([sys.executable, '-c', ANSWER, json.dumps(words)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CAPSKIP_NO_ALLOCATOR_ENV='1'))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_every_command_is_covered():
+    found = parsers()
+    assert len(found) == len(command_words()) >= 12
+    assert {'capskip train', 'capskip check', 'capskip bench step', 'capskip select-demo'} <= set(found)
+
+
+@pytest.mark.parametrize('words', command_words(), ids=' '.join)
+def test_help_and_usage_errors_answer_before_torch_is_imported(words):
+    "`--help`, an unknown flag and (where the command has one) a number that is not one: exit 0/2 in a fresh process, torch never imported."
+    prog = 'capskip ' + ' '.join(words)
+    got = answer(words + ['--help'])
+    assert (got['code'], got['torch']) == (0, False), got
+    assert got['out'].startswith(f'usage: {prog}')
+    got = answer(words + ['--no-such-flag'])
+    assert (got['code'], got['torch']) == (2, False), got
+    last = got['err'].strip().splitlines()[-1]      # the unknown flag, or first a missing required argument
+    assert last in (f'{prog}: error: unrecognized arguments: --no-such-flag',) or \
+        last.startswith(f'{prog}: error: the following arguments are required: '), last
+    numeric = [a for a in parsers()[prog]._actions if a.type in (int, float) and a.option_strings]
+    if numeric:
+        got = answer(words + [numeric[0].option_strings[0], 'many'])
+        assert (got['code'], got['torch']) == (2, False), got
+        assert f"invalid {numeric[0].type.__name__} value: 'many'" in got['err'].strip().splitlines()[-1]
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+    missing = []
+    for prog, parser in parsers().items():
+        for a in parser._actions:
+            if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS or not a.option_strings: continue
+            text = (a.help or '') % {'default': a.default, 'prog': prog}
+            if not text.strip(): missing.append(f'{prog} {a.option_strings[0]}: no help text')
+            elif a.default not in (None, False, []) and 'default' not in text:
+                missing.append(f'{prog} {a.option_strings[0]}: default {a.default!r} not shown')
+            elif isinstance(a.default, (int, float, str)) and not isinstance(a.default, bool) and a.default != '' \
+                    and str(a.default) not in text:
+                missing.append(f'{prog} {a.option_strings[0]}: help shows another default than {a.default!r}')
+    assert not missing, '\n'.join(missing)
+
+
+def test_top_level_help_names_the_modes_check_offers():
+    from capskip.cli import COMMANDS
+    summary = COMMANDS.get('check').summary
+    modes = next(a for a in parsers()['capskip check']._actions if '--mode' in a.option_strings).choices
+    assert all(m in summary for m in modes if m != 'all'), summary
+    for m in ('masked', 'dense'):
+        assert (m in summary) == (m in modes), summary
+
+
+def test_select_demo_budget_default_is_the_package_constant():
+    from capskip.core import DEFAULT_BUDGET
+    budget = next(a for a in parsers()['capskip select-demo']._actions if '--budget' in a.option_strings)
+    assert budget.default == DEFAULT_BUDGET

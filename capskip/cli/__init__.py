@@ -19,7 +19,7 @@ COMMANDS = Registry('command', lister='`capskip --help`')
 for _name, _target, _summary in [
     ('demo', 'capskip.cli.runs:demo_main', 'The main job: dense vs CAPSkip on the embedded digits data, a table and a plot.'),
     ('select-demo', 'capskip.cli.method:select_demo_main', 'Run the selector on one real batch of the embedded data and show what it drops.'),
-    ('check', 'capskip.cli.method:check_main', 'Gradient exactness of masked / reforward / reuse execution against plain autograd for a model.'),
+    ('check', 'capskip.cli.method:check_main', 'Gradient exactness of reuse and reforward execution (--mode reuse|reforward|all) against plain autograd for a model.'),
     ('bench', 'capskip.cli.tools:bench_main', 'Benchmarks printing ratio tables: `bench selector`, `bench step`.'),
     ('train', 'capskip.cli.runs:train_main', 'Train one run: --recipe NAME --arm ARM --seed S (resumable).'),
     ('sweep', 'capskip.cli.runs:sweep_main', 'Run a grid of arms x seeds x epoch budgets, skipping finished runs.'),

@@ -11,7 +11,7 @@ import importlib
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['resolve', 'dispatch']
+__all__ = ['resolve', 'dispatch', 'literal_constant']
 
 # %% ../../nbs/09_cli_dispatch.ipynb #964dbbab
 def resolve(target: str):
@@ -31,3 +31,17 @@ def dispatch(table: Registry, prog: str, argv: list[str], description: str) -> i
         return 2
     ns = parser.parse_args(argv)
     return int(resolve(table[ns.command])(ns.args) or 0)
+
+# %% ../../nbs/09_cli_dispatch.ipynb #b1c2d3e5
+def literal_constant(module: str, name: str):
+    "The value of the top-level assignment `name = <literal>` in `module`'s source file, read without importing `module`."
+    import ast
+    from importlib.util import find_spec
+    from pathlib import Path
+    spec = find_spec(module)
+    if spec is None or not spec.origin: raise LookupError(f'no source file for module {module!r}')
+    for node in ast.parse(Path(spec.origin).read_text(encoding='utf-8')).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise LookupError(f'{module} has no top-level literal assignment to {name}')

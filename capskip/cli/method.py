@@ -9,25 +9,21 @@ import argparse
 import logging
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from .dispatch import literal_constant
 
-from ..core import DEFAULT_BUDGET, ce_residuals
-from .zoo import ZOO, format_zoo, run_zoo
-from ..engine.check import TOLERANCE, format_rows, gradient_check, verdict, worst_error
-from ..engine.head import HeadError
-from ..engine.types import RowDependenceError
-from ..runs.data import digits_splits
-from ..runs.models import create_model
-from ..selector import first_violation, last_layer_grad, magnitude_budget, select
+# torch, the method modules and the zoo are imported inside each command, after its flags are parsed:
+# `--help` and a mistyped flag answer at once.
 
 # %% auto #0
-__all__ = ['select_demo_main', 'check_main']
+__all__ = ['select_demo_parser', 'select_demo_main', 'check_parser', 'check_main']
 
 # %% ../../nbs/09a_cli_method.ipynb #e53c03da
 def _digits_model_and_batch(steps: int, batch: int, seed: int):
     "The package's digits CNN trained `steps` seeded SGD steps on the embedded digits data; its body, head and a test batch."
+    import torch
+    import torch.nn.functional as F
+    from capskip.runs.data import digits_splits
+    from capskip.runs.models import create_model
     splits = digits_splits(img_size=16, seed=seed)
     if not 1 <= batch <= len(splits.test):
         raise ValueError(f'--batch must be between 1 and the {len(splits.test)} rows of the digits test split, got {batch}')
@@ -42,15 +38,25 @@ def _digits_model_and_batch(steps: int, batch: int, seed: int):
     x, y, _ = splits.test.fetch(torch.arange(batch))
     return body.eval(), head, x, y
 
+def select_demo_parser() -> argparse.ArgumentParser:
+    "The `capskip select-demo` argument parser (built without importing torch)."
+    p = argparse.ArgumentParser(prog='capskip select-demo', description='The CAPSkip selector on one real batch.')
+    p.add_argument('--budget', type=float, default=literal_constant('capskip.core', 'DEFAULT_BUDGET'),
+                   help='b, the relative budget on the last-layer gradient (default %(default)s: capskip.core.DEFAULT_BUDGET)')
+    p.add_argument('--batch', type=int, default=256, help='rows in the held-out batch (default %(default)s)')
+    p.add_argument('--steps', type=int, default=100, help='SGD steps of the small model before selecting (default %(default)s)')
+    p.add_argument('--label-smoothing', type=float, default=0.0,
+                   help='label smoothing of the targets in the residuals softmax(z) - y (default %(default)s)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the model, its SGD steps and the data split (default %(default)s)')
+    return p
+
 def select_demo_main(argv: list[str] | None = None) -> int:
     "`capskip select-demo`: run the selector on one real batch of the embedded digits data and print what it drops."
-    parser = argparse.ArgumentParser(prog='capskip select-demo', description='The CAPSkip selector on one real batch.')
-    parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET, help='b, the relative budget on the last-layer gradient')
-    parser.add_argument('--batch', type=int, default=256, help='rows in the held-out batch')
-    parser.add_argument('--steps', type=int, default=100, help='SGD steps of the small model before selecting')
-    parser.add_argument('--label-smoothing', type=float, default=0.0)
-    parser.add_argument('--seed', type=int, default=0)
+    parser = select_demo_parser()
     ns = parser.parse_args(argv or [])
+    import torch
+    from capskip.core import ce_residuals
+    from capskip.selector import first_violation, last_layer_grad, magnitude_budget, select
     start = time.perf_counter()
     try: body, head, x, y = _digits_model_and_batch(ns.steps, ns.batch, ns.seed)
     except ValueError as err: parser.error(str(err))
@@ -79,16 +85,20 @@ def select_demo_main(argv: list[str] | None = None) -> int:
 # %% ../../nbs/09a_cli_method.ipynb #b4758c4e
 def _build_model(name: str, num_classes: int, img: int) -> nn.Module:
     "A model from the registry, with `img_size` when the constructor takes it."
+    from capskip.runs.models import create_model
     try: return create_model(name, num_classes=num_classes, img_size=img)
     except TypeError: return create_model(name, num_classes=num_classes)
 
 def _in_channels(model: nn.Module) -> int:
     "The first convolution's input channels (3 if there is none)."
+    import torch.nn as nn
     conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
     return conv.in_channels if conv is not None else 3
 
 def _zoo(ns) -> int:
     "`capskip check --zoo`: the compatibility table."
+    import torch
+    from capskip.cli.zoo import ZOO, format_zoo, run_zoo
     only = [n.strip() for n in ns.only.split(',') if n.strip()] if ns.only else None
     logging.getLogger('capskip.engine').setLevel(logging.ERROR)   # fallbacks are reported in the table
     print(f'capskip check --zoo: {len(only) if only else len(ZOO)} architectures, batch {ns.batch}, keep {ns.keep}, '
@@ -99,20 +109,27 @@ def _zoo(ns) -> int:
     print(f'FAILED: {failed}' if failed else 'OK: no gradient was wrong')
     return 1 if failed else 0
 
-def check_main(argv: list[str] | None = None) -> int:
-    "`capskip check --model NAME [--mode reuse|reforward|all] [--batch B] [--keep FRACTION] [--img N] [--num-classes C]`, or `capskip check --zoo`"
-    p = argparse.ArgumentParser(prog='capskip check', description='Gradient exactness of reuse / reforward against plain autograd.')
+def check_parser() -> argparse.ArgumentParser:
+    "The `capskip check` argument parser (built without importing torch)."
+    p = argparse.ArgumentParser(prog='capskip check', description='Gradient exactness of reuse and reforward execution '
+                                'against plain autograd for one model (--model), or for the compatibility zoo (--zoo).')
     p.add_argument('--model', help='registry name (resnet18_gn, deit_s, vit_tiny, digits_cnn), timm:<name> or torchvision:<name>')
     p.add_argument('--zoo', action='store_true', help='check the compatibility zoo of timm/torchvision architectures instead')
-    p.add_argument('--only', default=None, help='with --zoo: comma-separated zoo names to check')
-    p.add_argument('--mode', default='all', choices=['reuse', 'reforward', 'all'])
+    p.add_argument('--only', default=None, help='with --zoo: comma-separated zoo names to check (default: all of them)')
+    p.add_argument('--mode', default='all', choices=['reuse', 'reforward', 'all'],
+                   help='the execution mode to compare with plain autograd: reuse, reforward, or all (both; default %(default)s)')
     p.add_argument('--batch', type=int, default=None, help='rows in the random batch (>= 2; default 8, 4 with --zoo)')
     p.add_argument('--keep', type=float, default=None,
                    help='kept fraction of the rows in the partial selections, in (0, 1] (default 0.35, 0.5 with --zoo)')
-    p.add_argument('--img', type=int, default=32, help='image side in pixels')
-    p.add_argument('--num-classes', type=int, default=10)
-    p.add_argument('--device', default='cpu', help='cpu or cuda')
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
+    p.add_argument('--num-classes', type=int, default=10, help="classes of the model's head and of the random labels (default %(default)s)")
+    p.add_argument('--device', default='cpu', help='cpu or cuda (default %(default)s)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the random batch, its labels and the kept rows (default %(default)s)')
+    return p
+
+def check_main(argv: list[str] | None = None) -> int:
+    "`capskip check --model NAME [--mode reuse|reforward|all] [--batch B] [--keep FRACTION] [--img N] [--num-classes C]`, or `capskip check --zoo`"
+    p = check_parser()
     ns = p.parse_args(argv or [])
     if ns.only and not ns.zoo: p.error('--only selects zoo entries: use it with --zoo')
     if not ns.zoo and not ns.model: p.error('pass --model NAME, or --zoo for the compatibility table')
@@ -124,10 +141,15 @@ def check_main(argv: list[str] | None = None) -> int:
     if ns.img < 1: p.error(f'--img must be >= 1 pixel, got {ns.img}')
     if not 0 < ns.keep <= 1: p.error(f'--keep is the kept fraction of the rows and must be in (0, 1], got {ns.keep:g}')
     if ns.zoo:
+        from capskip.cli.zoo import ZOO
         known = {e.name for e in ZOO}
         bad = [n for n in (ns.only or '').split(',') if n.strip() and n.strip() not in known]
         if bad: p.error(f'--only: not in the zoo: {bad}; choose from {sorted(known)}')
         return _zoo(ns)
+    import torch
+    from capskip.engine.check import TOLERANCE, format_rows, gradient_check, verdict, worst_error
+    from capskip.engine.head import HeadError
+    from capskip.engine.types import RowDependenceError
     try:
         device = torch.device(ns.device)
         model = _build_model(ns.model, ns.num_classes, ns.img).to(device).train()

@@ -11,14 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..policies import list_policies
-from ..runs.build import check_pretrained, policy_kwargs, resolve_device
-from ..runs.divergence import DIVERGED_EXIT, divergence_message
-from ..runs.distributed import init_distributed
-from ..runs.recipes import TrainConfig, get_recipe, parse_set, recipes_table, resolve_config
-from ..runs.runio import EXIT_BUSY, RunLockedError, check_out_dir, run_dir, run_status
-from ..runs.sweep import parse_list, sweep, sweep_grid
-from ..runs.train import train
+# The run and analysis modules (and torch with them) are imported inside each command, after its flags are parsed:
+# `--help` and a mistyped flag answer at once.
 
 # %% auto #0
 __all__ = ['train_parser', 'config_from_args', 'train_main', 'sweep_parser', 'check_arms', 'sweep_main', 'demo_parser',
@@ -55,8 +49,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument('--ddp', action='store_true', help='data-parallel over the torchrun processes (implied under torchrun)')
     return p
 
-def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    "Resolve the recipe, the named flags and the `--set` overrides into one configuration."
+def config_from_args(ns: argparse.Namespace):
+    "Resolve the recipe, the named flags and the `--set` overrides into one configuration (a `capskip.runs.recipes.TrainConfig`)."
+    from capskip.runs.recipes import get_recipe, parse_set, resolve_config
     seed = ns.seed if ns.seed is not None else (get_recipe(ns.recipe).seeds or [0])[0]
     overrides = {'policy_kw.budget': ns.budget} if ns.budget is not None else {}
     overrides.update(parse_set(ns.set))
@@ -69,6 +64,11 @@ def train_main(argv: list[str] | None = None) -> int:
     "`capskip train ...` (also `python -m capskip train` and `torchrun ... -m capskip train --ddp`)."
     parser = train_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.runs.build import check_pretrained, policy_kwargs, resolve_device
+    from capskip.runs.distributed import init_distributed
+    from capskip.runs.divergence import DIVERGED_EXIT, divergence_message
+    from capskip.runs.runio import EXIT_BUSY, RunLockedError, check_out_dir, run_dir, run_status
+    from capskip.runs.train import train
     try:
         config = config_from_args(ns)
         policy_kwargs(config)          # unknown arm or policy option: fail before any work
@@ -122,6 +122,7 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 def check_arms(arms: list[str]) -> list[str]:
     "`arms` if every one names a policy; otherwise a ValueError listing the unknown ones and the choices."
+    from capskip.policies import list_policies
     bad = [a for a in arms if a not in list_policies()]
     if bad: raise ValueError(f'unknown arm(s) {bad}; choose from {list_policies()}')
     return arms
@@ -130,6 +131,10 @@ def sweep_main(argv: list[str] | None = None) -> int:
     "`capskip sweep --recipe NAME --arms a,b --seeds 1,2,3 [--epochs 100,140,200] [--time-matched-dense]`"
     p = sweep_parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.runs.build import resolve_device
+    from capskip.runs.recipes import get_recipe, parse_set, resolve_config
+    from capskip.runs.runio import check_out_dir
+    from capskip.runs.sweep import parse_list, sweep, sweep_grid
     try:
         recipe = get_recipe(ns.recipe)
         arms = parse_list(ns.arms, str, '--arms')                  # an empty list is an error, never the default
@@ -164,7 +169,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--out', default='capskip_demo', help='results folder (default ./capskip_demo); finished runs are reused')
     p.add_argument('--recipe', default='digits_demo',
                    help='a digits* recipe (default digits_demo: fine-tuning from a dense warm start; digits_wide: from scratch)')
-    p.add_argument('--arms', default='dense,capskip', help='comma-separated arms; the first is the reference')
+    p.add_argument('--arms', default='dense,capskip', help='comma-separated arms; the first is the reference (default %(default)s)')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='override a config field')
     p.add_argument('--progress', action='store_true', help='show per-epoch progress bars')
     p.add_argument('--record', default=None, metavar='PATH', help='also write the table, settings and conditions to this JSON file')
@@ -174,6 +179,10 @@ def demo_main(argv: list[str] | None = None) -> int:
     "`capskip demo [--seeds N] [--epochs N] [--out DIR] [--recipe digits_demo] [--record FILE]`"
     p = demo_parser()
     ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.runs.divergence import DIVERGED_EXIT
+    from capskip.runs.recipes import get_recipe, parse_set
+    from capskip.runs.runio import check_out_dir
+    from capskip.runs.sweep import parse_list
     try:
         if ns.seeds is not None and ns.seeds < 1: raise ValueError('--seeds must be >= 1')
         if ns.epochs is not None and ns.epochs < 1: raise ValueError('--epochs must be >= 1')
@@ -199,6 +208,8 @@ def recipes_main(argv: list[str] | None = None) -> int:
     parser.add_argument('--show', metavar='NAME', help="print every field of one recipe with its value and source (paper / assumption)")
     parser.add_argument('--json', action='store_true', help='with --show: the configuration as JSON instead')
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.policies import list_policies
+    from capskip.runs.recipes import get_recipe, recipes_table
     if ns.show:
         from capskip.runs.sources import show_recipe
         try: print(json.dumps(get_recipe(ns.show).to_dict(), indent=2) if ns.json else show_recipe(ns.show))
@@ -222,7 +233,7 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument('--primary', default='capskip', help='the arm the controls are contrasted with (default capskip)')
     p.add_argument('--baseline', default='infobatch', help='the arm composition arms are compared with (default infobatch)')
     p.add_argument('--target', type=float, action='append', help='time-to-accuracy target in %% (repeatable); fix it before the runs')
-    p.add_argument('--match-tolerance', type=float, default=0.1, help='time-matched: largest relative time mismatch of an unmarked match')
+    p.add_argument('--match-tolerance', type=float, default=0.1, help='time-matched: largest relative time mismatch of an unmarked match (default %(default)s)')
     p.add_argument('--pair', action='append', default=[], metavar='A:B',
                    help='also compare cell A with cell B, each [FOLDER/]RECIPE/ARM[@EPOCHS], across recipes and folders (repeatable)')
     p.add_argument('--bar', metavar='ACC_LO[,TIME_HI]',
@@ -234,6 +245,7 @@ def report_parser() -> argparse.ArgumentParser:
 def report_main(argv: list[str] | None = None) -> int:
     "`capskip report RUN_DIR [--out DIR] [--bench-json FILE] ...`"
     ns = report_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.runs.runio import check_out_dir
     import matplotlib
     matplotlib.use('Agg')                    # before pyplot is imported: files only, no display
     from capskip.analysis.report import build_report, write_report

@@ -14,11 +14,12 @@ from pathlib import Path
 from .._docs.build import DocsBuildError, build_site
 from .._docs.check import check_site
 from .._docs.readme import find_repo_root, readme_from_notebook
-from .dispatch import dispatch
+from .dispatch import dispatch, literal_constant
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['BENCH_COMMANDS', 'bench_main', 'bench_selector_main', 'bench_step_main', 'docs_main', 'readme_main']
+__all__ = ['BENCH_COMMANDS', 'bench_main', 'bench_selector_parser', 'bench_selector_main', 'bench_step_main', 'docs_main',
+           'readme_main']
 
 # %% ../../nbs/09c_cli_tools.ipynb #e0cef249
 BENCH_COMMANDS = Registry('benchmark', lister='`capskip bench --help`')
@@ -39,25 +40,32 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1: raise argparse.ArgumentTypeError(f'expected positive integers, got {text!r}')
     return values
 
+def bench_selector_parser() -> argparse.ArgumentParser:
+    "The `capskip bench selector` argument parser (built without importing torch)."
+    p = argparse.ArgumentParser(prog='capskip bench selector',
+                                description='Factorised vs materialised selector, eager and compiled (median ms, ratios).')
+    p.add_argument('--batch', type=_int_list, default=[128, 512], help='batch sizes B, comma-separated (default 128,512)')
+    p.add_argument('--classes', type=int, default=100, help='classes C (default %(default)s)')
+    p.add_argument('--dims', type=_int_list, default=[384, 512], help='feature widths d, comma-separated (default 384,512)')
+    p.add_argument('--repeats', type=int, default=20, help='timed calls per measurement, whose median is reported (default %(default)s)')
+    p.add_argument('--warmup', type=int, default=3, help='untimed calls before timing (default %(default)s)')
+    p.add_argument('--device', default='auto', help='cpu, cuda or cuda:i (default %(default)s: cuda when available, else cpu)')
+    p.add_argument('--budget', type=float, default=literal_constant('capskip.core', 'DEFAULT_BUDGET'),
+                   help="the selector's budget b (default %(default)s: capskip.core.DEFAULT_BUDGET)")
+    p.add_argument('--backend', default='inductor',
+                   help="torch.compile backend, or 'none' to skip the compiled column (default %(default)s)")
+    p.add_argument('--seed', type=int, default=0, help='seed of the random residuals and features (default %(default)s)')
+    return p
+
 def bench_selector_main(argv: list[str] | None = None) -> int:
     "`capskip bench selector [--batch 128,512] [--classes 100] [--dims 384,512] [--repeats N] [--device cpu|cuda]`"
-    import torch                                      # the benchmarks import torch; docs and readme do not
-    from capskip.bench.selector import bench_one, format_table
-    from capskip.core import DEFAULT_BUDGET
-    parser = argparse.ArgumentParser(prog='capskip bench selector',
-                                     description='Factorised vs materialised selector, eager and compiled (median ms, ratios).')
-    parser.add_argument('--batch', type=_int_list, default=[128, 512], help='batch sizes B (comma-separated)')
-    parser.add_argument('--classes', type=int, default=100, help='classes C')
-    parser.add_argument('--dims', type=_int_list, default=[384, 512], help='feature widths d (comma-separated)')
-    parser.add_argument('--repeats', type=int, default=20, help='timed calls per measurement (median)')
-    parser.add_argument('--warmup', type=int, default=3, help='untimed calls before timing')
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='cpu or cuda[:i]')
-    parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET)
-    parser.add_argument('--backend', default='inductor', help="torch.compile backend, or 'none' to skip the compiled column")
-    parser.add_argument('--seed', type=int, default=0)
+    parser = bench_selector_parser()
     ns = parser.parse_args(argv or [])
-    if ns.device.startswith('cuda') and not torch.cuda.is_available(): parser.error('--device cuda given but CUDA is not available')
     if ns.repeats < 1 or ns.classes < 1: parser.error('--repeats and --classes must be ≥ 1')
+    import torch                                      # the benchmarks import torch (after parsing); docs and readme do not
+    from capskip.bench.selector import bench_one, format_table
+    if ns.device == 'auto': ns.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if ns.device.startswith('cuda') and not torch.cuda.is_available(): parser.error('--device cuda given but CUDA is not available')
     backend = None if ns.backend == 'none' else ns.backend
     name = torch.cuda.get_device_name(ns.device) if ns.device.startswith('cuda') else f'cpu, {torch.get_num_threads()} threads'
     print(f'capskip bench selector: device {ns.device} ({name}), torch {torch.__version__}, backend {ns.backend}, '
@@ -76,19 +84,20 @@ def bench_selector_main(argv: list[str] | None = None) -> int:
 
 # %% ../../nbs/09c_cli_tools.ipynb #80a708e7
 def _step_parser() -> argparse.ArgumentParser:
-    from capskip.core import DEFAULT_BUDGET
+    "The `capskip bench step` argument parser (built without importing torch)."
     p = argparse.ArgumentParser(prog='capskip bench step', description='Per-phase step time and peak memory of '
                                 'dense / masked / reforward / reuse, as ratios to dense measured in the same run.')
-    p.add_argument('--model', default='resnet18_gn', help='registry name, timm:<name> or torchvision:<name>')
-    p.add_argument('--batch', type=int, default=128)
-    p.add_argument('--keep', default='0.35,0.69', help='kept fractions k, comma-separated')
-    p.add_argument('--device', default='cpu', help='cpu or cuda')
-    p.add_argument('--repeats', type=int, default=7, help='interleaved repetitions (medians are reported)')
-    p.add_argument('--warmup', type=int, default=2, help='warm-up steps per configuration')
-    p.add_argument('--img', type=int, default=32)
-    p.add_argument('--num-classes', type=int, default=100)
-    p.add_argument('--budget', type=float, default=DEFAULT_BUDGET, help="the selector's budget b")
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--model', default='resnet18_gn', help='registry name, timm:<name> or torchvision:<name> (default %(default)s)')
+    p.add_argument('--batch', type=int, default=128, help='rows in the random batch, >= 2 (default %(default)s)')
+    p.add_argument('--keep', default='0.35,0.69', help='kept fractions k, comma-separated, each in (0, 1] (default %(default)s)')
+    p.add_argument('--device', default='cpu', help='cpu or cuda (default %(default)s)')
+    p.add_argument('--repeats', type=int, default=7, help='interleaved repetitions, whose medians are reported (default %(default)s)')
+    p.add_argument('--warmup', type=int, default=2, help='warm-up steps per configuration (default %(default)s)')
+    p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
+    p.add_argument('--num-classes', type=int, default=100, help="classes of the model's head and the random labels (default %(default)s)")
+    p.add_argument('--budget', type=float, default=literal_constant('capskip.core', 'DEFAULT_BUDGET'),
+                   help="the selector's budget b (default %(default)s: capskip.core.DEFAULT_BUDGET)")
+    p.add_argument('--seed', type=int, default=0, help='seed of the model, the random batch and the kept rows (default %(default)s)')
     p.add_argument('--compile', action='store_true',
                    help='run every mode, dense and the kept_only reference included, through torch.compile (inductor)')
     p.add_argument('--json', default=None, help='also write the rows to this JSON file')
@@ -99,14 +108,14 @@ def _step_parser() -> argparse.ArgumentParser:
 
 def bench_step_main(argv: list[str] | None = None) -> int:
     "`capskip bench step [--model ...] [--batch 128] [--keep 0.35,0.69] [--device cpu|cuda] [--repeats N]`"
-    import torch                                      # the benchmarks import torch; docs and readme do not
-    from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
-                                    measure, parse_keeps, record, run_phase)
-    from capskip.core import TIMING_ALLOCATOR
     p = _step_parser()
     ns = p.parse_args(list(argv or []))
     if ns.batch < 2: p.error(f'--batch must be >= 2, got {ns.batch}')
     if ns.repeats < 1 or ns.warmup < 0: p.error('--repeats must be >= 1 and --warmup >= 0')
+    import torch                                      # the benchmarks import torch (after parsing); docs and readme do not
+    from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
+                                    measure, parse_keeps, record, run_phase)
+    from capskip.core import TIMING_ALLOCATOR
     if ns.device.startswith('cuda') and not torch.cuda.is_available(): p.error('--device cuda but no CUDA device is available')
     for path, flag in ((ns.json, '--json'), (ns.record, '--record')):   # before the benchmark, not after it
         if not path: continue
