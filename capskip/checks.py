@@ -5,6 +5,8 @@
 # %% ../nbs/00c_input_checks.ipynb #e5c5792c
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 
@@ -12,14 +14,24 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['values_checked', 'require_float', 'require_finite', 'check_logits_targets', 'check_selector_inputs']
+__all__ = ['values_checked', 'value_checks_off', 'require_float', 'require_finite', 'check_logits_targets',
+           'check_selector_inputs']
 
 # %% ../nbs/00c_input_checks.ipynb #b5ed3b2c
+_DEFAULT_CHECKS_OFF = contextvars.ContextVar('capskip_default_value_checks_off', default=False)
+
 def values_checked(check_values: bool | None, *tensors: Tensor) -> bool:
     "Whether to run value checks (one flag read from the device): by default only on CPU, never while compiling."
     if torch.compiler.is_compiling(): return False
-    if check_values is None: return all(t.device.type == 'cpu' for t in tensors)
+    if check_values is None: return not _DEFAULT_CHECKS_OFF.get() and all(t.device.type == 'cpu' for t in tensors)
     return bool(check_values)
+
+@contextlib.contextmanager
+def value_checks_off():
+    "Within the block, the default (`check_values=None`) skips value checks on the CPU too, as on a GPU."
+    token = _DEFAULT_CHECKS_OFF.set(True)
+    try: yield
+    finally: _DEFAULT_CHECKS_OFF.reset(token)
 
 def require_float(name: str, t) -> None:
     "`t` must be a floating-point tensor."

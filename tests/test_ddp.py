@@ -1,5 +1,5 @@
-"""Data-parallel runs on CPU with gloo: the all-reduced gradient equals a single-process reference over the same kept
-rows with the global-batch denominator; InfoBatch state merges so that plans agree on every process;
+"""Data-parallel runs on CPU with gloo: torch's DDP gradient equals a single-process reference over the same kept
+rows with the global-batch denominator (each process normalises by global/W, DDP averages); InfoBatch state merges so that plans agree on every process;
 `torchrun -m capskip train --ddp` runs end to end; and a run that diverges on one process stops all of them together."""
 import json
 import os
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = textwrap.dedent('''
     import sys, torch
     import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel
     from capskip.runs.distributed import init_distributed
     from capskip.runs.data import digits_splits
     from capskip.runs.models import create_model
@@ -35,13 +36,12 @@ WORKER = textwrap.dedent('''
     cuts = [0, 40, 64]
     idx = torch.arange(cuts[r], cuts[r + 1])
     x, y = splits.train.images[idx], splits.train.labels[idx]
-    policy = create_policy('capskip', model, seed=5, budget=0.5, rank=r, world_size=W)
-    stats = policy.step(x, y, idx)
-    params = [p for p in model.parameters() if p.requires_grad]
-    dist.allreduce_gradients(params, len(idx), 64)
+    policy = create_policy('capskip', dist.wrap(model), seed=5, budget=0.5, rank=r, world_size=W)
+    stats = policy.step(x, y, idx, denominator=64 / W)   # DDP averages: (1/W) Σ_r Σ_kept / (64/W) = Σ_kept / 64
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     # 2) InfoBatch: an epoch of forwards on this rank's shard, then the merge; the next plan must agree
-    ib = create_policy('infobatch', model, seed=3, rank=r, world_size=W)
+    ib = create_policy('infobatch', dist.wrap(model), seed=3, rank=r, world_size=W)
     n_rows = 300
     plan = ib.plan_epoch(0, 4, n_rows, 32)
     dist.snapshot_policy(ib)
@@ -127,6 +127,7 @@ def test_torchrun_train_end_to_end(tmp_path):
            '--out', str(tmp_path), '--quiet']
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 'falling back' not in proc.stdout + proc.stderr                      # reuse under torch's DDP, no re-forward
     from capskip.runs.runio import read_json, read_jsonl, run_dir
     folder = run_dir(tmp_path, 'digits_ib', 'infobatch_capskip', 1, 2)
     final, rows, config = read_json(folder / 'final.json'), read_jsonl(folder / 'results.jsonl'), read_json(folder / 'config.json')

@@ -6,18 +6,20 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 
 from ..core import ce_residuals
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, resolve_head
+from .node import data_parallel_wrapper, routed, unsynced_forward
 from .probe import RowProbe
 from .reuse import Reuse
 from .types import MODES, Forward
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['EXECUTORS', 'ce_grad_logits', 'Engine']
+__all__ = ['EXECUTORS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
@@ -44,12 +46,28 @@ EXECUTORS = Registry('execution mode', lister='`capskip.engine.EXECUTORS.list()`
 for _executor in (Dense, Masked, Reforward, Reuse): EXECUTORS.add(_executor.mode, _executor)
 
 # %% ../../nbs/01g_facade.ipynb #dc26e897
+def uncompiled(model: nn.Module, compile: bool) -> tuple[nn.Module, bool]:
+    "A `torch.compile`d module's original (`_orig_mod`) with `compile=True`: capskip compiles its own graphs of it."
+    inner = getattr(model, '_orig_mod', None)
+    if type(model).__name__ == 'OptimizedModule' and isinstance(inner, nn.Module): return inner, True
+    return model, compile
+
+def unsynced_error(model: nn.Module) -> RuntimeError:
+    "The refusal of a forward that no DistributedDataParallel wraps while several processes train."
+    return RuntimeError(f'capskip: {type(model).__name__} runs in a {tdist.get_world_size()}-process group, but this forward '
+                        'is not inside DistributedDataParallel, so the ranks\' gradients would never be averaged: build '
+                        'CAPSkip/Engine on the DDP-wrapped model (CAPSkip(DDP(model))) or call it inside the wrapped '
+                        "module's forward; pass ddp_check=False if you synchronise gradients yourself")
+
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`; `compile=True` runs the graphs through `torch.compile`."
-    def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None, compile: bool = False):
+    def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None, compile: bool = False,
+                 ddp_check: bool = True):
         if not isinstance(model, nn.Module): raise TypeError(f'model must be an nn.Module, got {type(model).__name__}')
         if mode not in EXECUTORS: raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-        self.model, self.mode, self.compile = model, mode, bool(compile)
+        model, compile = uncompiled(model, compile)
+        self.wrapper, model = data_parallel_wrapper(model)   # DDP: its forward runs around ours, its reducer syncs
+        self.model, self.mode, self.compile, self.ddp_check = model, mode, bool(compile), bool(ddp_check)
         self.capture = HeadCapture(resolve_head(model, head), model, explicit=head is not None)
         self.executor = EXECUTORS.create(mode, model, self.capture, RowProbe(model), compile=self.compile)
 
@@ -71,12 +89,20 @@ class Engine:
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] == 0:
             raise ValueError(f'x must be a tensor with a non-empty batch dimension first, got {getattr(x, "shape", type(x))}')
         self.capture.verify(x)                           # once per input signature: the head is found and verified
-        fwd = self.executor.forward(x)
+        if self.wrapper is None:
+            if self.ddp_check and torch.is_grad_enabled() and unsynced_forward(): raise unsynced_error(self.model)
+            fwd = self.executor.forward(x)
+        else:                                            # DDP's forward (reducer prepared) around the executor's
+            out: list = []
+            with routed(self.model, lambda xi: out.append(self.executor.forward(xi)) or out[-1].logits):
+                logits = self.wrapper(x)
+            fwd = out[-1]
+            fwd.logits = logits                          # DDP may pass the output through its own autograd node
         fwd.autograd = torch.is_grad_enabled()
         return fwd
 
-    def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor) -> int:
-        "Accumulate into `.grad` the gradient for upstream `grad_logits` on the rows where `keep`; returns the kept count."
+    def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, extra: tuple = ()) -> int:
+        "Back-propagate upstream `grad_logits` on the rows where `keep` through autograd (and `extra` (tensor, gradient) pairs in the same backward); returns the kept count."
         if fwd.used: raise RuntimeError('this Forward was already back-propagated: run engine.forward again')
         if not fwd.autograd:
             raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
@@ -88,7 +114,7 @@ class Engine:
             raise ValueError(f'keep must be a bool tensor of shape [{B}], got {keep.dtype} {tuple(keep.shape)}')
         fwd.used = True
         kept = int(keep.sum())                           # the one host read per step
-        self.executor.backward(fwd, grad_logits.to(fwd.logits.dtype), keep, kept)
+        self.executor.backward(fwd, grad_logits.to(fwd.logits.dtype), keep, kept, extra)
         return kept
 
     def loss_backward(self, fwd: Forward, targets: torch.Tensor, row_weights: torch.Tensor | None = None,

@@ -16,10 +16,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ._aot import Traced, eval_sym, guards_hold, log, probe_traced, run_forward, take_rows, trace
-from .executors import Executor, Reforward, mark_rows_dynamic, zero_missing_grads
+from .executors import Executor, Reforward, mark_rows_dynamic
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
 from .layouts import is_rows, make_layout
+from .node import kept_rows
 from .probe import RowProbe
 from .types import Forward, RowDependenceError
 
@@ -53,17 +54,20 @@ def _signature(model: nn.Module, x: torch.Tensor) -> tuple:
             torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
             tuple((id(p), p.requires_grad) for p in model.parameters()))
 
-def _grad_params(model: nn.Module, traced: Traced) -> list:
-    "Per backward output, the parameter it is the gradient of (None where there is none)."
-    params = dict(model.named_parameters())
-    return [None if name is None else params[name] for name in traced.grad_names]
+def _grad_slots(traced: Traced, params: list) -> list:
+    "Per backward output, the position in `params` ([(name, parameter)]) of the parameter it is the gradient of (None where none)."
+    where = {name: i for i, (name, _) in enumerate(params)}
+    return [None if name is None else where.get(name) for name in traced.grad_names]
 
-def _accumulate(params: list, grads) -> None:
-    "Add the backward graph's parameter gradients into `.grad` (taken as it is where `.grad` is None, as autograd does)."
-    for p, g in zip(params, grads):
-        if p is None or g is None: continue
-        if p.grad is None: p.grad = g if g.dtype == p.dtype else g.to(p.dtype)   # made under no_grad: nothing to detach
-        else: p.grad.add_(g)
+def _aligned(slots: list, grads, params: list) -> list:
+    "The backward graph's gradients in the order of `params`, each in its parameter's dtype (None where the graph gives none)."
+    out = [None] * len(params)
+    for slot, g in zip(slots, grads):
+        if slot is None or g is None: continue
+        p = params[slot][1]
+        out[slot] = g if g.dtype == p.dtype else g.to(p.dtype)
+    return out
+
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
 def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
@@ -119,6 +123,7 @@ def compile_traced(traced: Traced) -> Traced:
 class Reuse(Executor):
     "Traced forward of every row keeping its activations; the backward graph at batch size k on the kept rows (fallback: `fallback`)."
     mode = 'reuse'
+    skips = True
 
     def __init__(self, model: nn.Module, capture: HeadCapture, probe: RowProbe, fallback: Executor | None = None,
                  compile: bool = False):
@@ -127,7 +132,7 @@ class Reuse(Executor):
         self.cache: dict = _TRACES.setdefault(model, {})
         self.twins: dict = {}                            # id(Traced) -> its compiled twin (compile=True)
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
-        self.params: dict = {}                           # id(Traced) -> (Traced, its gradients' parameters), made once
+        self.params: dict = {}                           # (id(Traced), parameter names) -> (Traced, gradient slots), made once
 
     def runnable(self, traced: Traced) -> Traced:
         "`traced` itself, or (compile=True) its compiled twin, made once."
@@ -171,23 +176,21 @@ class Reuse(Executor):
         blocks = group_args(plan[2], traced.bw_inputs, saved, B) if plan else None
         return (traced.bw, []) if blocks is None else (plan[1], blocks)
 
-    def forward(self, x: torch.Tensor) -> Forward:
+    def run_forward(self, x: torch.Tensor) -> Forward:
         traced = self.traced_for(x)
         if isinstance(traced, str):                      # logged fallback
-            return self.fallback.forward(x)
+            return self.fallback.run_forward(x)
         B, traced = x.shape[0], self.runnable(traced)
         logits, feats, saved = run_forward(traced, self.model, x if B >= 2 else torch.cat([x, x]))
         return Forward(logits[:B], feats[:B], self.mode, state=ReuseState(traced, saved, max(B, 2)))
 
-    def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> None:
-        if fwd.mode != self.mode: return self.fallback.backward(fwd, grad_logits, keep, kept)
-        st: ReuseState = fwd.state
-        fwd.state = None
-        if kept == 0: return zero_missing_grads(self.model)
+    def param_grads(self, mode: str, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
+        "Gradients of `params` ([(name, parameter)]) from the backward graph over the kept rows (the unsliced graph when all are kept)."
+        if mode != self.mode: return self.fallback.param_grads(mode, st, grad_logits, keep, kept, params)
         traced, B = st.traced, st.batch
         sliced = traced.fallback_reason is None and not (kept == B and keep.numel() == B)
         if sliced:
-            rows = keep.nonzero().squeeze(1)
+            rows = kept_rows(keep, kept)
             tangent = grad_logits.index_select(0, rows)
             if kept == 1:                                # the trace assumed batch >= 2: two half-weight copies
                 rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, 1)
@@ -205,5 +208,7 @@ class Reuse(Executor):
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
         with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
             grads = graph(args)
-        if id(traced) not in self.params: self.params[id(traced)] = (traced, _grad_params(self.model, traced))
-        _accumulate(self.params[id(traced)][1], grads)
+        key = (id(traced), tuple(name for name, _ in params))
+        if key not in self.params: self.params[key] = (traced, _grad_slots(traced, params))
+        return _aligned(self.params[key][1], grads, params)
+

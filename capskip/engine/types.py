@@ -26,6 +26,7 @@ class Forward:
     state: Any = field(default=None, repr=False)   # autograd graph, inputs, or saved activations (mode-specific)
     used: bool = False
     autograd: bool = True                          # whether gradients were enabled during the forward
+    node: Any = field(default=None, repr=False)    # reforward/reuse: the autograd node (`capskip.engine.node.SkipNode`)
 
 # %% ../../nbs/01a_types.ipynb #625d649f
 class RowDependenceError(ValueError):

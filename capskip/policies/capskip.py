@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor, nn
 
 from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
+from ..engine.head import passes_through
 from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
-                                   epoch_counters, record, run_step)
+                                   epoch_counters, record, run_step, step_loss)
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
                                        rw_multipliers, rwp_multipliers)
 from ..selector import last_layer_grad, select
@@ -48,18 +50,20 @@ def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: T
 
 # %% ../../nbs/02c_capskip.ipynb #41175d58
 class CAPSkip:
-    "Drop-in CAPSkip for your own loop: `stats = skip.step(x, y)` leaves the selected gradient in `.grad`."
+    "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`."
     def __init__(self, model: nn.Module, budget: float = DEFAULT_BUDGET, mode: str = 'reuse', head: nn.Module | None = None,
                  label_smoothing: float = 0.0, reweight: str | None = None, p: float = RW_P, p_bar: float = RWP_MEAN,
                  p_min: float = RWP_MIN, weighted: bool = True, exclude_upweighted: bool = False, seed: int = 0,
-                 engine: Engine | None = None, compile: bool = False):
+                 engine: Engine | None = None, compile: bool = False, ddp_check: bool = True):
         check_capskip_options(budget, reweight, p, p_bar, p_min)
-        self.engine = Engine(model, mode=mode, head=head, compile=compile) if engine is None else engine
+        self.engine = Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check) if engine is None else engine
         self.model, self.label_smoothing, self.seed = model, float(label_smoothing), int(seed)
         self.options = dict(budget=float(budget), weighted=bool(weighted), exclude_upweighted=bool(exclude_upweighted),
                             reweight=reweight, p=p, p_bar=p_bar, p_min=p_min)
         self._generator, self._pending_state = None, None
         self.stats = DeviceCounters()
+        self.last: StepStats | None = None               # the last step's statistics
+        self._recent: list = []                          # (weak reference to logits, their features): the last forwards
 
     def generator(self, device: torch.device) -> torch.Generator:
         "The per-step generator (rw/rwp draws), created on the batch's device on first use."
@@ -73,10 +77,33 @@ class CAPSkip:
         gen = self.generator(logits.device) if self.options['reweight'] in ('rw', 'rwp') else None
         return capskip_decision(logits, y, res, feats, w, generator=gen, bias=self.engine.head.bias is not None, **self.options)
 
+    def __call__(self, x: Tensor) -> Tensor:
+        "Forward every row (what the backward of the kept rows needs is kept); returns the logits, in autograd's graph."
+        fwd = self.engine.forward(x)
+        self._recent = [(r, f) for r, f in self._recent[-7:] if r() is not None] + [(weakref.ref(fwd.logits), fwd.features)]
+        return fwd.logits
+
+    def features_of(self, logits: Tensor) -> Tensor:
+        "The head's input from the forward that made `logits` (one of the last 8 forwards; a cast or view of them too)."
+        for ref, feats in reversed(self._recent):
+            out = ref()
+            if out is not None and passes_through(logits, out): return feats
+        raise ValueError('skip.loss needs the logits that skip(x) returned (or a cast of them, e.g. logits.float()): '
+                         'call logits = skip(x) in this step, not model(x)')
+
+    def loss(self, logits: Tensor, y: Tensor, weights: Tensor | None = None, denominator: float | None = None) -> Tensor:
+        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size): back-propagate it yourself."
+        loss, stats = step_loss(self.engine, logits, self.features_of(logits), y, weights, self.decide,
+                                self.label_smoothing, denominator=denominator)
+        record(self.stats, stats)
+        self.last = stats
+        return loss
+
     def step(self, x: Tensor, y: Tensor, weights: Tensor | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`)."
         stats = run_step(self.engine, x, y, weights, self.decide, self.label_smoothing)
         record(self.stats, stats)
+        self.last = stats
         return stats
 
     def counters(self) -> dict[str, float]:

@@ -14,21 +14,21 @@ from torch import Tensor, nn
 
 from ..core import ce_residuals, seeded_generator, target_classes
 from ..engine import Engine
+from ..engine.node import inject_grad
 from .plans import FINAL_BATCH, EpochPlan, batch_rows, plan_generator, shard_rows
-from .reweight import lastfix_
 from ..registry import Registry
 from ..selector import last_layer_grad
 
 # %% auto #0
 __all__ = ['Rule', 'POLICIES', 'StepStats', 'Policy', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
-           'realised_distortion', 'run_step', 'device_generator', 'BasePolicy', 'DensePolicy', 'check_step_inputs',
-           'check_plan_args']
+           'realised_distortion', 'lastfix_grad', 'decide', 'run_step', 'step_loss', 'device_generator', 'BasePolicy',
+           'DensePolicy', 'check_step_inputs', 'check_plan_args']
 
 # %% ../../nbs/02b_policy_core.ipynb #3671c9eb
 @dataclass
 class StepStats:
-    "What one `step` did; tensors stay on the device (reading them is a host sync)."
-    kept: int                 # rows back-propagated (the engine's one host read per step)
+    "What one step did; tensors stay on the device (reading them is a host sync)."
+    kept: int | Tensor        # rows back-propagated: an int from `step` (its one host read), a 0-d tensor from `loss`
     forwarded: int            # rows forwarded
     distortion: Tensor        # 0-d, realised relative change of the last-layer raw gradient
     loss_sum: Tensor          # 0-d, Σ of per-row cross-entropies (unweighted)
@@ -95,27 +95,58 @@ def realised_distortion(res: Tensor, feats: Tensor, weights: Tensor, received: T
     total, diff = norm(weights), norm(weights - received)
     return torch.where(total > 0, diff / total.clamp_min(torch.finfo(total.dtype).tiny), diff)
 
-def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
-             label_smoothing: float = 0.0, bias: bool | None = None, denominator: int | None = None) -> StepStats:
-    "Forward every row, apply `rule(logits, y, residuals, features, w, losses)` (None: dense), back-propagate with denominator B (the rows forwarded, unless given)."
-    B = check_step_inputs(x, y, weights, denominator)
-    fwd = engine.forward(x)
-    logits = fwd.logits.detach().float()
+def lastfix_grad(head: nn.Module, res: Tensor, feats: Tensor, dropped_weights: Tensor, denominator: float) -> Tensor:
+    "det_lastfix inside autograd: a zero scalar whose backward adds D/den = Σ_i dropped_i r_i h̃_iᵀ / den to the head's parameters."
+    has_bias = getattr(head, 'bias', None) is not None
+    gw, gb = last_layer_grad(res.float(), feats.float(), weights=dropped_weights.float(), bias=has_bias)
+    params = [head.weight] + ([head.bias] if has_bias else [])
+    grads = [gw] + ([gb] if has_bias else [])
+    return inject_grad(params, [(g / denominator).to(p.dtype) for g, p in zip(grads, params)])
+
+def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
+           label_smoothing: float = 0.0, bias: bool | None = None) -> tuple:
+    "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y), all on the device."
+    B = logits.shape[0]
+    logits = logits.detach().float()
     y = y.to(logits.device)
+    if not y.is_floating_point() and y.dtype != torch.long: y = y.long()     # int32/uint8 labels
     w = torch.ones(B, device=logits.device) if weights is None else weights.detach().to(logits.device, torch.float32)
     res = ce_residuals(logits, y, label_smoothing)                   # softmax(z) − y: the step's one softmax
     losses = F.cross_entropy(logits, y, reduction='none', label_smoothing=label_smoothing)
     if rule is None:
         d, distortion = Decision(w, torch.zeros(B, dtype=torch.bool, device=w.device)), w.new_zeros(())
     else:
-        feats = fwd.features.detach().float()
+        feats = features.detach().float()
         d = rule(logits, y, res, feats, w, losses)
         received = d.applied if d.last_layer is None else d.last_layer
         distortion = realised_distortion(res, feats, w, received, engine.head.bias is not None if bias is None else bias)
+    return d, res, losses, distortion, (logits.argmax(1) == target_classes(y)).sum(), y
+
+def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
+             label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None) -> StepStats:
+    "Forward every row, apply `rule(logits, y, residuals, features, w, losses)` (None: dense), back-propagate with denominator B (the rows forwarded, unless given)."
+    B = check_step_inputs(x, y, weights, denominator)
+    fwd = engine.forward(x)
+    d, res, losses, distortion, correct, y = decide(engine, fwd.logits, fwd.features, y, weights, rule, label_smoothing, bias)
     den = B if denominator is None else denominator
-    kept = engine.backward(fwd, res * (d.applied / den)[:, None], d.applied > 0)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
-    if d.lastfix is not None: lastfix_(engine.head, res, feats, d.lastfix, den)
-    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, (logits.argmax(1) == target_classes(y)).sum())
+    extra = ()
+    if d.lastfix is not None:
+        fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
+        extra = ((fix, torch.ones_like(fix)),)
+    kept = engine.backward(fwd, res * (d.applied / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
+    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
+
+def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
+              label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None) -> tuple[Tensor, StepStats]:
+    "The selected objective (1/den) Σ applied_i ℓ_i on `logits` as a loss to back-propagate, and the step's statistics (`kept` a 0-d tensor)."
+    B = check_step_inputs(logits, y, weights, denominator)
+    d, res, losses, distortion, correct, y = decide(engine, logits, features, y, weights, rule, label_smoothing, bias)
+    den = B if denominator is None else denominator
+    per_row = F.cross_entropy(logits.float(), y, reduction='none', label_smoothing=label_smoothing)
+    loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
+    if d.lastfix is not None: loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den)
+    return loss, StepStats((d.applied > 0).sum(), B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
+
 
 # %% ../../nbs/02b_policy_core.ipynb #c9b69eee
 def device_generator(device: torch.device, seed: int, state: Tensor | None = None) -> torch.Generator:
@@ -169,10 +200,12 @@ class BasePolicy:
         "The after-forward rule of the current epoch (None = dense)."
         return None
 
-    def step(self, x: Tensor, y: Tensor, idx: Tensor | None = None, weights: Tensor | None = None) -> StepStats:
-        "Forward every row, apply this policy's rule, back-propagate with denominator = batch size."
+    def step(self, x: Tensor, y: Tensor, idx: Tensor | None = None, weights: Tensor | None = None,
+             denominator: float | None = None) -> StepStats:
+        "Forward every row, apply this policy's rule, back-propagate with denominator = batch size (unless given)."
         self.check_step(idx)
-        stats = run_step(self.engine, x, y, self.row_weights(idx, weights), self.rule(), self.label_smoothing)
+        stats = run_step(self.engine, x, y, self.row_weights(idx, weights), self.rule(), self.label_smoothing,
+                         denominator=denominator)
         self.after_step(stats, idx)
         record(self.stats, stats)
         return stats

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['DistInfo', 'init_distributed']
@@ -34,18 +35,10 @@ class DistInfo:
         tdist.all_reduce(sizes)
         return sizes[:-1].tolist()
 
-    def allreduce_gradients(self, params: list[torch.nn.Parameter], local_rows: int, global_rows: int) -> None:
-        "Turn per-process gradients normalised by `local_rows` into the global-batch gradient (sum / `global_rows`)."
-        if global_rows <= 0: raise ValueError(f'global_rows must be positive, got {global_rows}')
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).float() * float(local_rows)
-        tdist.all_reduce(flat, op=tdist.ReduceOp.SUM)
-        flat /= float(global_rows)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
+    def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
+        "`model` in torch's `DistributedDataParallel` (bucketed all-reduce overlapping the backward): what the policy's engine runs."
+        ids = [self.device.index if self.device.index is not None else self.local_rank] if self.device.type == 'cuda' else None
+        return DistributedDataParallel(model, device_ids=ids)
 
     def reduce_counters(self, counters: dict, correct: torch.Tensor) -> tuple[dict, torch.Tensor]:
         "Sum row counts and losses over processes; average the distortion; pruned rows come from the shared plan."
