@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .head import HeadCapture
 from .layouts import factors, graph_layouts, is_rows, row_index, rows_of, sym_expr
-from .probe import INTEGER_PATHS, check_finite, fingerprints, mixing_cause, probe_inputs
+from .probe import INTEGER_PATHS, check_finite, finite_rows, fingerprints, mixing_cause, probe_inputs
 from .types import RowDependenceError, row_dependence_error
 
 log = logging.getLogger('capskip.engine')
@@ -355,12 +355,13 @@ def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor) -> None:
         raise row_dependence_error(where, detail, cause)
     out, plain = _traced_run(traced, model, clean, checks)
     before = {pos: ~torch.isfinite(out[pos]) for pos, _ in checks if isinstance(out[pos], torch.Tensor)
-              and out[pos].is_floating_point() and not bool(torch.isfinite(out[pos]).all())}
+              and out[pos].is_floating_point() and not bool(finite_rows(out[pos].reshape(1, -1)).all())}
     del out
     out, poisoned_rows = _traced_run(traced, model, xnan, checks)
     for pos, lay in checks:                              # 1. the NaN stays in row 0
         t = out[pos]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point(): continue
+        if pos not in before and is_rows(lay) and bool(finite_rows(rows_of(t, lay, B))[1:].all()): continue   # one sum a row
         bad = ~torch.isfinite(t) & ~before[pos] if pos in before else ~torch.isfinite(t)
         if lay[0] == 'static': ok = not bool(bad.any())
         else: ok = not bool(rows_of(bad, lay, B).any(1)[1:].any())

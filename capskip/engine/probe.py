@@ -14,7 +14,7 @@ from .types import RowDependenceError, row_dependence_error
 
 # %% auto #0
 __all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
-           'mixing_cause', 'probe_modules', 'module_states', 'RowProbe']
+           'finite_rows', 'mixing_cause', 'probe_modules', 'module_states', 'RowProbe']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -87,10 +87,26 @@ def changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.shape != b.shape or a.dtype != b.dtype: return None
     return _bits(a) != _bits(b)
 
+_WEIGHTS: dict = {}                                      # (m, device, 32 or 64 bits) -> the weights, made once
+
+def _weights(m: int, device, wide: bool) -> torch.Tensor:
+    key = (m, str(device), wide)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 256: _WEIGHTS.clear()
+        w = torch.arange(m, device=device, dtype=torch.int64) * 2654435761 % 1073741823 * 2 + 1   # odd, < 2^31
+        _WEIGHTS[key] = w if wide else w.to(torch.int32)
+    return _WEIGHTS[key]
+
 def fingerprints(rows: torch.Tensor) -> torch.Tensor:
-    "One int64 per row of `rows` [n, m], an odd-weighted sum of its bits: any changed bit changes it, short of an exact cancellation."
-    w = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int64) * 2654435761 % 2147483647 * 2 + 1
-    return (_bits(rows).to(torch.int64) * w).sum(1)
+    "One int64 per row of `rows` [n, m], an odd-weighted sum of its bits (products wrap): any changed bit changes it, short of an exact cancellation."
+    bits = _bits(rows)
+    if bits.dtype == torch.bool: bits = bits.view(torch.uint8)
+    wide = bits.element_size() > 4
+    return (bits * _weights(rows.shape[1], rows.device, wide)).sum(1, dtype=torch.int64)
+
+def finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    "Per row of `rows` [n, m], whether it is all finite, from one sum per row (an overflow reads as not finite)."
+    return torch.isfinite(rows.sum(1, dtype=torch.float32 if rows.element_size() < 4 else None))
 
 # %% ../../nbs/01c_probe.ipynb #f68b3a97
 def mixing_cause(module: nn.Module | None) -> str:
@@ -131,14 +147,16 @@ def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None =
                 if n in buffers: b.copy_(buffers[n])
 
 def _nonfinite(obj) -> list:
-    "Per floating tensor in `obj`, its mask of non-finite entries, None where all are finite."
-    return [None if bool(torch.isfinite(t).all()) else ~torch.isfinite(t) for t in _tensors(obj) if t.is_floating_point()]
+    "Per floating tensor in `obj`, its mask of non-finite entries, None where all are finite (one sum to tell)."
+    return [None if bool(finite_rows(t.reshape(1, -1)).all()) else ~torch.isfinite(t) for t in _tensors(obj) if t.is_floating_point()]
 
 def _nan_spread(obj, before: list | None, batch: int) -> bool:
     "Whether a non-finite entry of `obj` lies outside row 0 under every layout (entries non-finite in the plain forward, `before`, excepted)."
     for i, t in enumerate(t for t in _tensors(obj) if t.is_floating_point()):
-        bad = ~torch.isfinite(t)
         old = before[i] if before is not None and i < len(before) else None
+        if old is None and t.ndim and t.shape[0] == batch and bool(finite_rows(t.reshape(batch, -1))[1:].all()):
+            continue                                     # one sum per row: the NaN is in row 0 along dim 0 at most
+        bad = ~torch.isfinite(t)
         if old is not None and old.shape == bad.shape: bad = bad & ~old
         if not row_confined(bad, batch, 0): return True
     return False
