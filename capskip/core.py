@@ -11,8 +11,8 @@ from torch import Tensor
 from .checks import check_logits_targets
 
 # %% auto #0
-__all__ = ['DEFAULT_BUDGET', 'INFOBATCH_RATIO', 'INFOBATCH_DELTA', 'SELECTOR_EPS', 'SEED_STREAMS', 'TIMING_ALLOCATOR',
-           'MEMORY_ALLOCATOR', 'derive_seed', 'seeded_generator', 'ce_residuals', 'target_classes']
+__all__ = ['DEFAULT_BUDGET', 'INFOBATCH_RATIO', 'INFOBATCH_DELTA', 'SELECTOR_EPS', 'SEED_STREAMS', 'SEED_LIMIT',
+           'TIMING_ALLOCATOR', 'MEMORY_ALLOCATOR', 'derive_seed', 'seeded_generator', 'ce_residuals', 'target_classes']
 
 # %% ../nbs/00a_core.ipynb #7ef2bc0c
 DEFAULT_BUDGET = 0.09     # b: the paper's budget (paper §4; SPEC §2, §8)
@@ -24,6 +24,7 @@ SELECTOR_EPS = 1e-12      # our assumption: absolute slack on ‖D_m‖² (round
 SEED_STREAMS: dict[str, int] = {'init': 0, 'global': 1, 'loader': 2, 'plan': 3, 'policy': 4, 'augment': 5, 'eval': 6}
 
 _MASK64 = (1 << 64) - 1
+SEED_LIMIT = 1 << 63     # run seeds lie in [0, 2**63): a wider int would alias a smaller seed under the 64-bit mask
 
 def _part(p) -> int:
     "An int part as is; a stream name through `SEED_STREAMS`."
@@ -34,7 +35,12 @@ def _part(p) -> int:
     return p
 
 def derive_seed(seed: int, *parts: int | str) -> int:
-    "A 63-bit seed that is a pure function of `seed` and `parts` (ints or names in `SEED_STREAMS`)."
+    """A 63-bit seed that is a pure function of `seed` and `parts` (ints or names in `SEED_STREAMS`).
+
+    `seed` must lie in `[0, SEED_LIMIT)`: outside it the 64-bit arithmetic would make it another seed's alias."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f'seed {seed} is outside [0, 2**63): choose a seed from 0 to {SEED_LIMIT - 1} '
+                         '(a larger or negative one would alias a seed in that range)')
     h = 0x9E3779B97F4A7C15
     for v in (_part(seed), *map(_part, parts)):
         h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64

@@ -104,9 +104,24 @@ def test_recipes_show_prints_each_field_with_its_source(capsys):
     assert 'assumption:' in lines['model_kw.groups'] and 'GroupNorm' in lines['model_kw.groups']
     assert 'paper: Table 1 caption' in lines['batch_size']
     assert 'assumption:' in lines['pct_start'] and 'OneCycleLR' in lines['pct_start']
-    assert 'paper:' in lines['weight_decay'] and 'SPEC §8 restores it' in lines['weight_decay']
+    assert 'paper:' in lines['weight_decay'] and 'lost in the extracted text' in lines['weight_decay']
+    for inferred in ('base_lr', 'clip_norm', 'eval_every'):           # inferred from another sentence: not a quote
+        assert 'assumption: inferred' in lines[inferred], lines[inferred]
+    assert 'SPEC' not in out
+    # the arms' own settings and the choices no field shows are listed too, each with its source
+    assert 'assumption:' in lines['policy_kw.beta'] and '33.9%' in lines['policy_kw.beta']
+    assert 'policy_kw.history' in lines and 'paper: §4.2' in lines['policy_kw.prime_epochs']
+    assert 'weight decay on every parameter: assumption:' in out and 'schedule through pruned epochs: assumption:' in out
     with pytest.raises(SystemExit):
         recipes_main(['--show', 'resnet18gn_cifar10'])
+
+
+def test_an_arm_option_without_a_source_is_refused(monkeypatch):
+    from capskip.runs import sources
+    table = dict(sources.ARM_OPTION_SOURCES); del table['history']
+    monkeypatch.setattr(sources, 'ARM_OPTION_SOURCES', table)
+    with pytest.raises(ValueError, match="option 'history' has no source"):
+        sources.arm_settings('resnet18gn_cifar100')
 
 
 def test_a_field_without_a_source_is_refused(monkeypatch):

@@ -33,6 +33,7 @@ class Bar:
     def decide(self, time_c: Comparison | None, acc_c: Comparison | None) -> str:
         "'yes', 'no (time)', 'no (acc.)' or 'no'; '–' without both intervals."
         if time_c is None or acc_c is None: return '–'
+        if time_c.lo is None or acc_c.lo is None: return '– (no spread between seeds)'
         time_ok, acc_ok = time_c.hi < self.time_hi, acc_c.lo >= self.acc_lo
         return 'yes' if time_ok and acc_ok else 'no (time)' if acc_ok else 'no (acc.)' if time_ok else 'no'
 

@@ -22,10 +22,12 @@ from ..runs.reproduce import B1, DEIT, IB, IB_LR01, KEPT_BUDGETS, PROTOCOLS, SCR
 from ..runs.runio import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['DEFAULT_BAR', 'PaperReport', 'pairings_table', 'halvings', 'paper_report', 'paper_markdown', 'write_paper_report']
+__all__ = ['DEFAULT_BAR', 'TINY_EXECUTION', 'PaperReport', 'pairings_table', 'halvings', 'paper_report', 'paper_markdown',
+           'write_paper_report']
 
 # %% ../../nbs/07e_paper.ipynb #30aed13a
 DEFAULT_BAR = Bar(-0.4, 1.0)   # our reading of Table 5's lost bar values: see capskip.analysis.pairs
+TINY_EXECUTION = 'reusing execution, run as reforward under --tiny'
 
 @dataclass
 class PaperReport:
@@ -53,8 +55,11 @@ def pairings_table(name: str, title: str, rows: list, runs: list, metric: str, n
     table, seen = Table(name, title, note, headers), set()
     for label, pairing, paper in rows:
         a, b = (_scale(c, tiny) for c in parse_pair(pairing))
-        if (a, b) in seen: continue                   # tiny epochs can map two budgets onto one
+        if (a, b) in seen:                            # tiny epochs can map two budgets onto one: said, not dropped silently
+            notes.add(label, f'--tiny runs this comparison at {a.epochs} epochs, as a row above: shown once')
+            continue
         seen.add((a, b))
+        if tiny: label = label.replace('reusing execution', TINY_EXECUTION)
         recs = pair_cells(index, a, b, metric, PERCENT, notes, bar)
         rec = recs[0] if recs else None
         rem = None
@@ -120,7 +125,7 @@ def _table2(rep: PaperReport, runs, tiny):
     means = [mean_present(acc(c, s) for s in seeds) for c in cells]
     t.rows.append(['mean'] + [format_value(m) for m in means] + ['', ' / '.join(format_value(v) for v in PAPER_TABLE2_SEEDS['mean'][:3])])
     times = [mean_present(run_time(r) for r in index.get(c, {}).values()) for c in cells]
-    t.rows.append(['train time (s)'] + [format_value(x, '.0f') for x in times] + ['', ' / '.join(PAPER_TABLE2_SEEDS['train time (s)'][:3])])
+    t.rows.append(['train time (s)'] + [format_value(x, '.2f' if tiny else '.0f') for x in times] + ['', ' / '.join(PAPER_TABLE2_SEEDS['train time (s)'][:3])])
     rep.tables += [t, pairings_table('table2_contrasts', 'Table 2: contrasts', PAPER_PAIRINGS['table2'], runs, 'test_acc', rep.notes, tiny)]
     data = _group(runs, DEIT, 'test_acc', rep.notes)
     if data and len(data.cells) >= 2: rep.figures['table2_accuracy_time'] = accuracy_time_figure(data)
@@ -136,7 +141,9 @@ def _table3(rep: PaperReport, runs, tiny):
     recs = {r['arm']: r for r in (ctl.records if ctl else []) if r['epochs'] == e103}
     for arm, paper in PAPER_TABLE3.items():
         r = recs.get(arm)
-        cell = lambda p, d=2: '–' if not r or r.get(p) is None else f"{r[p]:+.{d}f} [{r[p + '_lo']:+.{d}f}, {r[p + '_hi']:+.{d}f}] {r[p + '_label']}"
+        cell = lambda p, d=2: ('–' if not r or r.get(p) is None else f"{r[p]:+.{d}f} [no interval] {r[p + '_label']}"
+                               if r.get(p + '_lo') is None else
+                               f"{r[p]:+.{d}f} [{r[p + '_lo']:+.{d}f}, {r[p + '_hi']:+.{d}f}] {r[p + '_label']}")
         tv = '–' if not r or r.get('time_ratio_vs_primary') is None else f"{r['time_ratio_vs_primary']:.3f} / {cell('acc_diff_vs_primary_pp')}"
         t.rows.append([arm, format_value(r and r['rows_bwd_pct'], '.1f'), paper[0], cell('dense_margin_pp'), paper[1], tv, paper[2],
                        cell('margin_contrast_pp'), paper[3]])
@@ -155,6 +162,8 @@ def _table4(rep: PaperReport, runs, tiny):
         tta.title = 'Table 4 (right): test time to accuracy, CAPSkip / dense'
         tta.note += (' Paper: ' + PAPER_TABLE4_TTA['ratio'] + f' at its pre-registered target ({PAPER_TABLE4_TTA["target_source"]}).'
                      + (' Tiny runs: the target is the exploratory default, not the paper\'s.' if tiny else ''))
+        tta.note = tta.note.replace('pre-register one with --target.', 'at full scale `capskip reproduce` uses the paper\'s '
+                                    'target; `capskip report RUN_DIR --target T` compares at another.')
         tta.rows = [r for r in tta.rows if r[0] == 'capskip']
         tta.records = [r for r in tta.records if r['arm'] == 'capskip']
         rep.tables.append(tta)
@@ -255,7 +264,9 @@ def paper_report(name: str, run_dir: str | Path, tiny: bool = False, bench_rows:
     rep = PaperReport(name, p.title, p.source, lines=[f'Paper: {p.source}.'] + [f'Note: {n}.' for n in p.notes])
     runs = load_runs(run_dir)
     if tiny: rep.lines.append('**Tiny run** (`--tiny`): the embedded digits data, scaled epochs and seeds — a check of the '
-                              'pipeline; its numbers say nothing about the paper\'s claims.')
+                              'pipeline; its numbers say nothing about the paper\'s claims. Execution: recipes that say '
+                              '`reuse` ran as `reforward` (no graph tracing on a CPU), so rows labelled "reusing execution" '
+                              f'read "{TINY_EXECUTION}".')
     build = {'table1': lambda: _table1(rep, runs, tiny, bench_rows), 'table2': lambda: _table2(rep, runs, tiny),
              'table3': lambda: _table3(rep, runs, tiny), 'table4': lambda: _table4(rep, runs, tiny),
              'table5': lambda: _table5(rep, runs, tiny, bar), 'table6': lambda: _table6(rep, runs, tiny),

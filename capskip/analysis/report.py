@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
                  bench_rows: list | None = None, pairs: list | None = None, bar: Bar | None = None) -> Report:
     "Read `run_dir` and build every table that its runs support (plus the requested cross-recipe/folder `pairs`, judged by `bar`)."
     if metric not in ('test_acc', 'val_acc'): raise ValueError(f"metric must be 'test_acc' or 'val_acc', got {metric!r}")
-    if not tolerance > 0: raise ValueError(f'time-match tolerance must be > 0, got {tolerance}')
+    if not 0 < tolerance < math.inf: raise ValueError(f'--match-tolerance must be a finite number > 0, got {tolerance}')
+    for t in targets or []:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 100:     # nan fails the comparison
+            raise ValueError(f'--target {t!r}: a time-to-accuracy target is an accuracy in percent in (0, 100], e.g. --target 75')
     runs = load_runs(run_dir)
     notes = Notes()
     if metric == 'val_acc': no_validation_note(runs, notes)
@@ -106,7 +110,8 @@ def report_markdown(report: Report, figure_files: dict | None = None) -> str:
              'Runs are paired by seed. Differences: mean and 95% Student-t interval over seed pairs (pp). Time and '
              'time-to-accuracy ratios: geometric mean of per-seed ratios, 95% t-interval in log space. A difference is '
              '"better"/"worse" ("faster"/"slower") only if its interval excludes 0 (1); otherwise "unresolved" — '
-             'not a claim of equivalence. Times are training-loop wall-clock: compare them only within one machine.', '']
+             'not a claim of equivalence. Seeds that all agree give no interval ("unresolved (no spread between seeds)"), '
+             'and a verdict from 2 pairs says "(only 2 pairs)". Times are training-loop wall-clock: compare them only within one machine.', '']
     for group, tables in report.sections.items():
         lines += [f'## {"/".join(p for p in group if p)}', '']
         if report.reference not in report.groups[group].arms():

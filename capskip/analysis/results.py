@@ -13,13 +13,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .stats import Comparison, paired_difference, paired_ratio
+from .stats import NO_SPREAD, Comparison, paired_difference, paired_ratio
+from ..core import SEED_LIMIT
+from ..runs.runio import MAX_EPOCHS, config_hash, config_identity
 
 # %% auto #0
-__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'PERCENT', 'Run', 'value_problem',
-           'fields_problem', 'read_run', 'load_runs', 'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget',
-           'Notes', 'where', 'pair_seeds', 'compare', 'Table', 'comparison_fields', 'mean_present', 'format_value',
-           'ReportData', 'index_runs', 'diverged_table']
+__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'LIMITS', 'PERCENT', 'Run',
+           'value_problem', 'fields_problem', 'read_run', 'record_problem', 'config_difference', 'check_pooling',
+           'load_runs', 'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget', 'Notes', 'where', 'pair_seeds',
+           'compare', 'Table', 'comparison_fields', 'mean_present', 'format_value', 'ReportData', 'index_runs',
+           'diverged_table']
 
 # %% ../../nbs/07a_results.ipynb #ba5cba1f
 @dataclass
@@ -46,9 +49,16 @@ class Run:
     @property
     def group(self) -> tuple[str, str]: return (self.variant, self.recipe)
 
+_UNREADABLE = (OSError, ValueError, RecursionError)   # a folder in its place, bad UTF-8 or JSON, > 4300-digit ints, deep nesting
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, RecursionError): return 'nested too deeply to read'
+    if isinstance(e, IsADirectoryError): return 'a folder, not a file'
+    return str(e)[:200] or type(e).__name__
+
 def _read_json_file(path: Path) -> tuple[object, str | None]:
     try: return json.loads(path.read_text(encoding='utf-8')), None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e: return None, f'unreadable {path.name} ({e})'
+    except _UNREADABLE as e: return None, f'unreadable {path.name} ({_reason(e)})'
 
 # kinds: str, int, bool, dict; fraction ([0, 1]), seconds and count (finite, >= 0), number (finite); None is allowed
 # unless the key is in the not-null set of its file
@@ -56,7 +66,7 @@ FINAL_FIELDS = {'recipe': 'str', 'arm': 'str', 'seed': 'int', 'epochs': 'int', '
                 'val_acc': 'fraction', 'test_acc': 'fraction', 'best_val_acc': 'fraction', 'kept_fraction': 'fraction',
                 'rows_backprop_frac': 'count', 'rows_forwarded_frac': 'count', 'eval_time_s': 'seconds',
                 'warmup_time_s': 'seconds', 'time_matched': 'dict', 'complete': 'bool', 'status': 'str',
-                'diverged': 'dict', 'last_finite_epoch': 'int'}
+                'diverged': 'dict', 'last_finite_epoch': 'int', 'config_hash': 'str'}
 FINAL_REQUIRED = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
                   'kept_fraction', 'complete')
 DIVERGED_FIELDS = {'epoch': 'int', 'step': 'int', 'steps': 'int', 'what': 'str', 'peak_lr': 'number'}
@@ -67,15 +77,26 @@ ROW_FIELDS = {'epoch': 'int', 'train_time_s': 'seconds', 'epoch_time_s': 'second
 ROW_REQUIRED = ('epoch', 'train_time_s', 'lr', 'loss', 'train_acc', 'val_acc', 'test_acc', 'rows_forwarded',
                 'rows_backprop', 'kept_fraction', 'mean_distortion', 'rows_pruned')
 
+# our bounds, far beyond any real run, so that sums and ratios of the values cannot overflow a float
+LIMITS = {'int': 2 ** 63, 'seconds': 1e9, 'count': 1e15, 'number': 1e100, 'fraction': 1.0}
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f'{text[:20]}...({len(text)} characters)'
+
 def value_problem(key: str, value, kind: str) -> str | None:
     "Why `value` of `key` is not a valid `kind` (see `FINAL_FIELDS`), or None when it is (None values are valid)."
     if value is None: return None
     if kind in ('str', 'bool', 'dict', 'int'):
         ok = {'str': isinstance(value, str), 'bool': isinstance(value, bool), 'dict': isinstance(value, dict),
               'int': isinstance(value, int) and not isinstance(value, bool)}[kind]
-        return None if ok else f'{key} = {value!r} is not {"an" if kind == "int" else "a"} {kind}'
-    if not isinstance(value, (int, float)) or isinstance(value, bool): return f'{key} = {value!r} is not a number'
-    if not math.isfinite(value): return f'{key} = {value!r} is not finite'
+        if not ok: return f'{key} = {_shown(value)} is not {"an" if kind == "int" else "a"} {kind}'
+        if kind == 'int' and abs(value) >= LIMITS['int']: return f'{key} = {_shown(value)} is outside [-2**63, 2**63)'
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool): return f'{key} = {_shown(value)} is not a number'
+    if isinstance(value, float) and not math.isfinite(value): return f'{key} = {value!r} is not finite'
+    if kind in ('seconds', 'count', 'number') and abs(value) > LIMITS[kind]:
+        return f'{key} = {_shown(value)} is beyond {LIMITS[kind]:g}, not a value a run writes'
     if kind == 'fraction' and not 0 <= value <= 1:
         return f'{key} = {value!r} is outside [0, 1] (accuracies and fractions are stored as fractions, not percent)'
     if kind in ('seconds', 'count') and value < 0: return f'{key} = {value!r} is negative'
@@ -106,11 +127,13 @@ def _row_problem(row, n: int, line: int) -> str | None:
 
 def _read_history(path: Path) -> tuple[list, str | None]:
     if not path.exists(): return [], 'no results.jsonl'
+    try: text = path.read_text(encoding='utf-8', errors='replace')
+    except OSError as e: return [], f'unreadable results.jsonl ({_reason(e)})'
     rows = []
-    for i, line in enumerate(path.read_text(encoding='utf-8', errors='replace').splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip(): continue
         try: row = json.loads(line)
-        except json.JSONDecodeError: return rows, f'results.jsonl line {i} is not valid JSON'
+        except (ValueError, RecursionError) as e: return rows, f'results.jsonl line {i} is not valid JSON ({_reason(e)})'
         problem = _row_problem(row, len(rows) + 1, i)
         if problem: return rows, problem
         rows.append(row)
@@ -141,10 +164,21 @@ def _final_problem(final, run: Run) -> str | None:
         if problem: return problem
         if final['complete'] is not False: return 'final.json says diverged but also complete'
     elif final.get('complete') is not True: return 'final.json is not marked complete'
-    for key, want in (('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
-        if final[key] != want: return f'final.json says {key}={final[key]!r} but the folder says {want!r}'
+    for key, want in (('recipe', run.recipe), ('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
+        if final[key] != want: return f'final.json says {key}={_shown(final[key])} but the folder says {want!r}'
+    if final.get('config_hash') and run.config and final['config_hash'] != config_hash(run.config):
+        return (f"final.json's config_hash {final['config_hash']} is not the hash of this folder's config.json "
+                f"({config_hash(run.config)}): the result belongs to another configuration")
     if not diverged and not final['train_time_s'] > 0:
         return f'final.json has no positive train_time_s (got {final["train_time_s"]!r})'
+    return None
+
+def _folder_int(text: str, lo: int, hi: int) -> int | None:
+    return int(text) if len(text.lstrip('-')) <= 19 and lo <= int(text) < hi else None
+
+def _config_identity_problem(config: dict, run: Run) -> str | None:
+    for key, want in (('recipe', run.recipe), ('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
+        if key in config and config[key] != want: return f'config.json says {key}={_shown(config[key])} but the folder says {want!r}'
     return None
 
 def read_run(path: str | Path, root: str | Path) -> Run:
@@ -156,10 +190,16 @@ def read_run(path: str | Path, root: str | Path) -> Run:
     recipe_dir = path.parents[2]
     try: variant = recipe_dir.parent.relative_to(root).as_posix()
     except ValueError: variant = '.'
+    seed, epochs = _folder_int(seed_m.group(1), 0, SEED_LIMIT), _folder_int(ep_m.group(1), 1, MAX_EPOCHS + 1)
     run = Run(path, '' if variant == '.' else variant, recipe_dir.name, path.parents[1].name,
-              int(seed_m.group(1)), int(ep_m.group(1)))
+              -1 if seed is None else seed, 0 if epochs is None else epochs)
+    if seed is None or epochs is None:
+        run.problem = (f'folder {path.parent.name if seed is None else path.name}: '
+                       + ('seeds lie in [0, 2**63)' if seed is None else f'epoch budgets lie in [1, {MAX_EPOCHS}]'))
+        return run
     config, problem = _read_json_file(path / 'config.json') if (path / 'config.json').exists() else ({}, None)
     problem = problem or (_config_problem(config) if (path / 'config.json').exists() else None)
+    problem = problem or (_config_identity_problem(config, run) if isinstance(config, dict) else None)
     run.config = config if isinstance(config, dict) and problem is None else {}
     run.history, history_problem = _read_history(path / 'results.jsonl')
     if not (path / 'final.json').exists():
@@ -168,24 +208,69 @@ def read_run(path: str | Path, root: str | Path) -> Run:
     final, final_read_problem = _read_json_file(path / 'final.json')
     run.problem = final_read_problem or problem or _final_problem(final, run)
     run.final = final if isinstance(final, dict) and run.problem is None else None
-    if run.problem is None and history_problem and history_problem != 'no results.jsonl':
-        run.problem = history_problem
+    if run.problem is None and final.get('status') != 'diverged':
+        run.problem = record_problem(run, history_problem)
     if run.problem is None and final.get('status') == 'diverged':
         run.diverged, run.final = final['diverged'], None
         d = run.diverged
         run.problem = f"diverged: non-finite {d['what']} at epoch {d['epoch']}, step {d['step']} of {d['steps']}"
     return run
 
+def record_problem(run: Run, history_problem: str | None = None) -> str | None:
+    "Why a run whose `final.json` says complete lacks its per-epoch record (one valid row per epoch, 1 to E), or None."
+    if history_problem not in (None, 'no results.jsonl'): return history_problem
+    if history_problem is None and len(run.history) == run.epochs: return None
+    held = 'no results.jsonl' if history_problem else f'results.jsonl holds {len(run.history)} of {run.epochs} epoch rows'
+    return (f'final.json says complete but {held}: rerun the same train/sweep command, which rebuilds the rows from '
+            'checkpoint.pt')
+
+def _flat(d: dict, prefix: str = '') -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v: out.update(_flat(v, f'{prefix}{k}.'))
+        else: out[f'{prefix}{k}'] = v
+    return out
+
+def config_difference(a: dict, b: dict) -> str:
+    "The fields (up to 3, dotted) in which two configs' identities differ: `field (a vs b)`."
+    fa, fb = _flat(config_identity(a)), _flat(config_identity(b))
+    keys = sorted(k for k in set(fa) | set(fb) if k not in fa or k not in fb or fa[k] != fb[k])
+    return ', '.join(f'{k} ({_shown(fa.get(k, "unset"))} vs {_shown(fb.get(k, "unset"))})' for k in keys[:3])
+
+def check_pooling(runs: list[Run]) -> list[Run]:
+    """Refuse to pool, in one cell (variant, recipe, arm, epochs), complete runs whose configurations differ other than
+    by seed (`capskip.runs.runio.config_hash`): a strict majority configuration keeps its runs, every other run becomes
+    unusable with the differing fields named; without a majority no run of the cell is pooled."""
+    cells = {}
+    for r in runs:
+        if r.complete and r.config: cells.setdefault((r.variant, r.recipe, r.arm, r.epochs), []).append(r)
+    for rs in cells.values():
+        by_hash = {}
+        for r in rs: by_hash.setdefault(config_hash(r.config), []).append(r)
+        if len(by_hash) < 2: continue
+        ranked = sorted(by_hash.values(), key=len, reverse=True)
+        keep = ranked[0] if 2 * len(ranked[0]) > len(rs) else None
+        for group in ranked:
+            if group is keep: continue
+            other = (keep or next(g for g in ranked if g is not group))[0]
+            whose = f"the cell's other {len(keep)} run(s)" if keep else f'seed{other.seed} (no configuration has a majority)'
+            for r in group:
+                r.problem = (f'not pooled: its configuration differs from {whose} in {config_difference(r.config, other.config)}; '
+                             'rerun it with the same settings, or keep it in another --out folder')
+    return runs
+
 def load_runs(run_dir: str | Path) -> list[Run]:
-    "Every run folder `*/*/seed*/ep*/` below `run_dir` (complete or not), sorted by path."
+    "Every run folder `*/*/seed*/ep*/` below `run_dir` (complete or not), sorted by path; cells pooled only when alike."
     root = Path(run_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f'{root} is a file: pass the results folder (the --out of capskip train/sweep), not a file in it')
     if not root.is_dir(): raise FileNotFoundError(f'results folder {root} does not exist (pass the --out of capskip train/sweep)')
     folders = sorted(p for p in root.glob('**/seed*/ep*') if p.is_dir() and re.fullmatch(r'ep\d+', p.name)
                      and re.fullmatch(r'seed-?\d+', p.parent.name))
     if not folders:
         raise ValueError(f'no run folders <recipe>/<arm>/seed<S>/ep<E>/ found below {root}; '
                          'is this the --out folder of capskip train/sweep?')
-    return [read_run(p, root) for p in folders]
+    return check_pooling([read_run(p, root) for p in folders])
 
 # %% ../../nbs/07a_results.ipynb #36360f58
 def run_accuracy(run: Run, metric: str = 'test_acc', scale: float = 1.0) -> float | None:
@@ -237,11 +322,18 @@ def pair_seeds(arm_runs: dict, ref_runs: dict, notes: Notes, context: str, arm_w
     return sorted(set(arm_runs) & set(ref_runs))
 
 def compare(kind: str, arm: dict, ref: dict, notes: Notes, context: str) -> Comparison | None:
-    "`paired_difference`/`paired_ratio` of two `{seed: value}` maps; None (with a note) if fewer than 2 pairs."
+    """`paired_difference`/`paired_ratio` of two `{seed: value}` maps; None (with a note) if fewer than 2 pairs or the
+    values cannot be compared; a note, too, when 2 pairs or no spread between seeds limit what the verdict can say."""
     if len(arm) < 2:
         notes.add(context, f'only {len(arm)} seed pair(s): no interval (needs at least 2)')
         return None
-    return (paired_difference if kind == 'difference' else paired_ratio)(arm, ref)
+    try: c = (paired_difference if kind == 'difference' else paired_ratio)(arm, ref)
+    except (ValueError, ArithmeticError) as e:
+        notes.add(context, f'not compared: {e}')
+        return None
+    if c.lo is None: notes.add(context, f'{NO_SPREAD}: every seed pair gave {c.estimate:.6g}, so no interval can be formed')
+    elif c.caveat: notes.add(context, f'{c.caveat}: the interval has 1 degree of freedom (t = 12.7); a third seed narrows it')
+    return c
 
 # %% ../../nbs/07a_results.ipynb #7a637af4
 @dataclass

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 # %% auto #0
-__all__ = ['DIFFERENCE_LABELS', 'RATIO_LABELS', 'Point', 'regularized_incomplete_beta', 'student_t_cdf', 'student_t_quantile',
-           'difference_label', 'ratio_label', 't_interval', 'Comparison', 'paired_seeds', 'paired_difference',
-           'paired_ratio', 'running_max_frontier', 'time_to_accuracy_detail', 'time_to_accuracy', 'TTAResult',
-           'tta_ratio', 'envelope_at', 'dense_margin', 'format_comparison']
+__all__ = ['DIFFERENCE_LABELS', 'RATIO_LABELS', 'NO_SPREAD', 'FEW_PAIRS', 'Point', 'regularized_incomplete_beta', 'student_t_cdf',
+           'student_t_quantile', 'difference_label', 'ratio_label', 't_interval', 'Comparison', 'no_spread',
+           'paired_seeds', 'paired_difference', 'paired_ratio', 'running_max_frontier', 'time_to_accuracy_detail',
+           'time_to_accuracy', 'TTAResult', 'tta_ratio', 'envelope_at', 'dense_margin', 'format_comparison']
 
 # %% ../../nbs/06_stats.ipynb #f7b581d7
 def _beta_continued_fraction(x: float, a: float, b: float) -> float:
@@ -110,16 +110,29 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     return mean, mean - half, mean + half
 
 # %% ../../nbs/06_stats.ipynb #5f3e8c93
+NO_SPREAD = 'unresolved (no spread between seeds)'
+FEW_PAIRS = 3             # below this many pairs the verdict says how few (a t-interval from 2 pairs has 1 degree of freedom)
+
 @dataclass(frozen=True)
 class Comparison:
-    "A paired comparison: estimate with its interval, label, and the per-seed values used."
+    "A paired comparison: estimate with its interval (None, None when the seeds show no spread), label, per-seed values."
     kind: str             # 'difference' or 'ratio'
     estimate: float       # mean difference, or geometric-mean ratio
-    lo: float
-    hi: float
+    lo: float | None      # None: no interval (every seed gave the same value)
+    hi: float | None
     n: int                # number of seed pairs
-    label: str            # better/worse/unresolved or faster/slower/unresolved
+    label: str            # better/worse/unresolved, faster/slower/unresolved, or NO_SPREAD
     per_seed: dict        # seed -> per-seed difference or ratio
+
+    @property
+    def caveat(self) -> str | None:
+        "'only 2 pairs' when the comparison rests on fewer than `FEW_PAIRS` seed pairs, else None."
+        return f'only {self.n} pairs' if self.n < FEW_PAIRS else None
+
+def no_spread(values: Sequence[float]) -> bool:
+    "True when the values are equal up to float round-off (a sample standard deviation of 0 gives no interval)."
+    xs = [float(v) for v in values]
+    return max(xs) - min(xs) <= 1e-9 * max(1.0, max(abs(x) for x in xs))
 
 def paired_seeds(arm: Mapping, ref: Mapping, what: str = 'comparison') -> list:
     "The sorted seeds of two `{seed: value}` maps; raises if they differ or fewer than 2 pairs exist."
@@ -138,6 +151,7 @@ def paired_difference(arm: Mapping, ref: Mapping, confidence: float = 0.95) -> C
     seeds = paired_seeds(arm, ref, 'paired difference')
     diffs = {s: float(arm[s]) - float(ref[s]) for s in seeds}
     mean, lo, hi = t_interval(list(diffs.values()), confidence)
+    if no_spread(diffs.values()): return Comparison('difference', mean, None, None, len(seeds), NO_SPREAD, diffs)
     return Comparison('difference', mean, lo, hi, len(seeds), difference_label(lo, hi), diffs)
 
 def paired_ratio(arm: Mapping, ref: Mapping, confidence: float = 0.95) -> Comparison:
@@ -148,9 +162,16 @@ def paired_ratio(arm: Mapping, ref: Mapping, confidence: float = 0.95) -> Compar
             if v is None or isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f'paired ratio: {side} value of seed {s} must be a finite positive number, got {v!r}')
     ratios = {s: float(arm[s]) / float(ref[s]) for s in seeds}
-    mean, lo, hi = t_interval([math.log(q) for q in ratios.values()], confidence)
-    lo, hi = math.exp(lo), math.exp(hi)
-    return Comparison('ratio', math.exp(mean), lo, hi, len(seeds), ratio_label(lo, hi), ratios)
+    if not all(0 < q < math.inf for q in ratios.values()):
+        raise ValueError(f'paired ratio: a per-seed ratio is not a finite positive number ({ratios}); check the values')
+    logs = [math.log(q) for q in ratios.values()]
+    mean, lo, hi = t_interval(logs, confidence)
+    if no_spread(logs): return Comparison('ratio', _exp(mean), None, None, len(seeds), NO_SPREAD, ratios)
+    lo, hi = _exp(lo), _exp(hi)
+    return Comparison('ratio', _exp(mean), lo, hi, len(seeds), ratio_label(lo, hi), ratios)
+
+def _exp(x: float) -> float:
+    return math.exp(x) if x < 709.0 else math.inf       # beyond that a float overflows: an unbounded ratio
 
 # %% ../../nbs/06_stats.ipynb #2b222b07
 Point = tuple[float, float]   # (training time in seconds, final accuracy)
@@ -233,8 +254,11 @@ def dense_margin(accuracy: float, time: float, dense_points: Iterable[Point], ou
 
 # %% ../../nbs/06_stats.ipynb #6d8a781a
 def format_comparison(c: Comparison | None, digits: int = 2, label: bool = True) -> str:
-    "`+0.25 [+0.08, +0.42] better` for a difference, `0.577 [0.574, 0.579] faster` for a ratio."
+    """`+0.25 [+0.08, +0.42] better` for a difference, `0.577 [0.574, 0.579] faster` for a ratio; `(only 2 pairs)` is
+    appended below 3 pairs, and a comparison whose seeds show no spread prints no interval: `+0.56 [no interval]`."""
     if c is None: return '–'
-    if c.kind == 'difference': text = f'{c.estimate:+.{digits}f} [{c.lo:+.{digits}f}, {c.hi:+.{digits}f}]'
-    else: text = f'{c.estimate:.{digits + 1}f} [{c.lo:.{digits + 1}f}, {c.hi:.{digits + 1}f}]'
-    return f'{text} {c.label}' if label else text
+    d = digits if c.kind == 'difference' else digits + 1
+    fmt = (lambda v: f'{v:+.{d}f}') if c.kind == 'difference' else (lambda v: f'{v:.{d}f}')
+    text = f'{fmt(c.estimate)} [no interval]' if c.lo is None else f'{fmt(c.estimate)} [{fmt(c.lo)}, {fmt(c.hi)}]'
+    if not label: return text
+    return f'{text} {c.label}' + (f' ({c.caveat})' if c.caveat else '')

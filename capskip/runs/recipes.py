@@ -9,13 +9,15 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields
 
-from ..core import DEFAULT_BUDGET, INFOBATCH_DELTA, INFOBATCH_RATIO
+from ..core import DEFAULT_BUDGET, INFOBATCH_DELTA, INFOBATCH_RATIO, SEED_LIMIT
 from ..policies.reweight import RW_P, RWP_MEAN, RWP_MIN
 from ..registry import Registry
 from .checks import coerce_field
+from .runio import MAX_EPOCHS
 from .schedules import LR_SCHEDULES
 
 # %% auto #0
@@ -225,6 +227,22 @@ def validate_config(config: TrainConfig) -> TrainConfig:
               (config.num_workers >= 0, 'num_workers must be >= 0')]
     for ok, message in checks:
         if not ok: raise ValueError(f'{message} (recipe {config.recipe!r})')
+    return _check_numbers(config)
+
+def _check_numbers(config: TrainConfig) -> TrainConfig:
+    "Seeds in [0, 2**63), epochs up to `MAX_EPOCHS`, every float finite, `policy_kw.budget` a finite number >= 0."
+    if isinstance(config.seed, bool) or not 0 <= config.seed < SEED_LIMIT:
+        raise ValueError(f'seed must be an integer from 0 to 2**63 - 1 (a larger one would alias a smaller seed), got {config.seed}')
+    if config.epochs > MAX_EPOCHS: raise ValueError(f'epochs must be from 1 to {MAX_EPOCHS}, got {config.epochs}')
+    for f in fields(TrainConfig):
+        v = getattr(config, f.name)
+        if isinstance(v, float) and not math.isfinite(v): raise ValueError(f'{f.name} must be a finite number, got {v}')
+    for key, v in (config.policy_kw or {}).items():
+        if isinstance(v, float) and not math.isfinite(v): raise ValueError(f'policy_kw.{key} must be a finite number, got {v}')
+    b = (config.policy_kw or {}).get('budget')
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0):
+        raise ValueError(f'policy_kw.budget (the budget b, --budget) must be a number >= 0 (the paper uses {DEFAULT_BUDGET}), '
+                         f'got {b!r}')
     return config
 
 def resolve_config(recipe: str, overrides: dict | None = None, **fields_) -> TrainConfig:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import errno
+import hashlib
+import io
 import json
 import math
+import operator
 import os
 import platform
+import secrets
 import socket
 import subprocess
 import sys
@@ -21,26 +25,58 @@ from typing import Any
 
 import torch
 
+from ..core import SEED_LIMIT
+
 # %% auto #0
-__all__ = ['EXIT_BUSY', 'LOCK_NAME', 'atomic_write_bytes', 'to_json', 'write_json', 'read_json', 'write_jsonl', 'read_jsonl',
+__all__ = ['TMP_SUFFIX', 'MAX_EPOCHS', 'VOLATILE_FIELDS', 'IDENTITY_EXCLUDED', 'EXIT_BUSY', 'LOCK_NAME', 'NoSpaceError',
+           'atomic_write_bytes', 'clean_stale_tmp', 'to_json', 'write_json', 'read_json', 'write_jsonl', 'read_jsonl',
            'save_checkpoint', 'load_checkpoint', 'generator_state', 'set_generator_state', 'run_dir', 'run_status',
-           'is_finished', 'git_commit', 'device_name', 'run_metadata', 'RunLockedError', 'lock_owner', 'RunLock',
-           'check_out_dir', 'check_out_file']
+           'is_finished', 'git_commit', 'device_name', 'run_metadata', 'comparable_config', 'config_identity',
+           'config_hash', 'RunLockedError', 'lock_owner', 'RunLock', 'check_out_dir', 'check_out_file']
 
 # %% ../../nbs/05e_runio.ipynb #325292d4
+TMP_SUFFIX = '.tmp'
+
+class NoSpaceError(OSError, ValueError):
+    "The disk (or quota) is full: what was being written is not in place, the previous file is kept."
+
+def _no_space(path: Path, err: BaseException) -> NoSpaceError:
+    return NoSpaceError(errno.ENOSPC, f'no space left on the device writing {path} ({err.strerror or err}); '
+                        f'the previous {path.name} is kept: free space, then rerun (a partial run with --resume)')
+
+def _is_no_space(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    "Write `data` to `path` atomically (temporary file in the same folder, then `os.replace`)."
+    """Write `data` to `path` atomically (temporary file in the same folder, then `os.replace`).
+
+    The file is created with mode 0o666 less the process's umask, as `open` would (a colleague's `report` can read
+    a shared results folder); a full disk raises `NoSpaceError` (an `OSError` and a `ValueError`) naming the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
+    for _ in range(100):
+        tmp = path.parent / f'.{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}'
+        try: fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666); break
+        except FileExistsError: continue
+    else: raise FileExistsError(f'cannot create a temporary file next to {path}')
     try:
         with os.fdopen(fd, 'wb') as f:
             f.write(data); f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.unlink(tmp)
+    except BaseException as e:
+        with contextlib.suppress(OSError): os.unlink(tmp)
+        if _is_no_space(e): raise _no_space(path, e) from None
         raise
     return path
+
+def clean_stale_tmp(folder: str | Path) -> list[Path]:
+    """Remove the temporary files (`.NAME.*.tmp`) a killed writer left in `folder`; returns them.
+
+    Call it only while holding the folder's `RunLock`: then no other process is writing there."""
+    stale = [p for p in Path(folder).glob(f'.*{TMP_SUFFIX}') if p.is_file()]
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError): p.unlink()
+    return stale
 
 def _json_default(obj):
     if isinstance(obj, torch.Tensor) and obj.numel() == 1: return obj.item()
@@ -78,18 +114,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 # %% ../../nbs/05e_runio.ipynb #1fbb64df
 def save_checkpoint(path: str | Path, state: dict) -> Path:
-    "Save `state` (tensors and plain containers only) to `path` atomically."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.unlink(tmp)
-        raise
-    return path
+    """Save `state` (tensors and plain containers only) to `path` atomically.
+
+    Serialised in memory first and written by `atomic_write_bytes`: the file honours the umask, and a full disk is
+    a `NoSpaceError` naming the path (the previous checkpoint stays in place), not `torch.save`'s container error."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return atomic_write_bytes(path, buf.getbuffer())
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = 'cpu') -> dict:
     "Load a checkpoint safely (`weights_only=True`)."
@@ -111,19 +142,30 @@ def set_generator_state(generator: torch.Generator, state: torch.Tensor) -> torc
     return generator
 
 # %% ../../nbs/05e_runio.ipynb #2b069bed
+MAX_EPOCHS = 100_000    # our bound: a typo guard (the paper's longest budget is 200 epochs, §4.1)
+
+def _bounded_int(name: str, value, lo: int, hi: int) -> int:
+    "`value` as an int in [lo, hi), or a ValueError that names the range."
+    try: value = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError: value = None
+    if value is None or not lo <= value < hi:
+        raise ValueError(f'{name} must be an integer from {lo} to {hi - 1}' + (' (2**63 - 1)' if hi == SEED_LIMIT else ''))
+    return value
+
 def run_dir(out: str | Path, recipe: str, arm: str, seed: int, epochs: int) -> Path:
     "`OUT/<recipe>/<arm>/seed<S>/ep<E>`, the folder of one run."
     for name, value in (('recipe', recipe), ('arm', arm)):
         if not value or '/' in value or value.startswith('.'):
             raise ValueError(f'{name} {value!r} cannot name a folder: use a plain name without "/"')
-    return Path(out) / recipe / arm / f'seed{int(seed)}' / f'ep{int(epochs)}'
+    seed, epochs = _bounded_int('seed', seed, 0, SEED_LIMIT), _bounded_int('epochs', epochs, 1, MAX_EPOCHS + 1)
+    return Path(out) / recipe / arm / f'seed{seed}' / f'ep{epochs}'
 
 def run_status(folder: str | Path) -> str:
     """`'complete'` or `'diverged'` (a `final.json` says so: the run is over and never recomputed), `'partial'`
     (a checkpoint or logged epochs, no result yet) or `'new'`."""
     folder = Path(folder)
     try: final = read_json(folder / 'final.json') if (folder / 'final.json').exists() else None
-    except (ValueError, OSError): final = None                    # unreadable: not a result
+    except (ValueError, OSError, RecursionError): final = None                   # unreadable: not a result
     if isinstance(final, dict) and final.get('status') == 'diverged': return 'diverged'
     if isinstance(final, dict) and final.get('complete') is True: return 'complete'
     if (folder / 'checkpoint.pt').exists() or (folder / 'results.jsonl').exists(): return 'partial'
@@ -157,11 +199,37 @@ def device_name(device: str | torch.device) -> str:
     return f'{device.type} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)'
 
 def run_metadata(seed: int, device: str | torch.device) -> dict:
-    "Commit, library versions, device, host and start time of a run."
+    "Commit, library versions, device, CPU threads, host and start time of a run."
     return {'git_commit': git_commit(), 'seed': int(seed), 'device': str(device), 'device_name': device_name(device),
+            'threads': torch.get_num_threads(),
             'hostname': socket.gethostname(), 'platform': platform.platform(), 'python': platform.python_version(),
             'versions': {m: _version(m) for m in ('capskip', 'torch', 'torchvision', 'timm', 'numpy')},
             'cuda': torch.version.cuda, 'start_time': _dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}
+
+# %% ../../nbs/05e_runio.ipynb #a11ce011
+VOLATILE_FIELDS = ('data_root', 'download', 'num_workers', 'device', 'eval_batch_size', 'description', 'notes',
+                   'seeds', 'epoch_budgets', 'time_matched_epochs')  # do not change what a run computes
+IDENTITY_EXCLUDED = ('seed', 'time_matched')   # the seed is the folder's; time_matched records how E was found
+
+def comparable_config(config: dict) -> dict:
+    "A saved or resolved config (as a dict) less its `meta` and the `VOLATILE_FIELDS`: what a run computes from."
+    return {k: v for k, v in config.items() if k not in VOLATILE_FIELDS and k != 'meta'}
+
+def config_identity(config) -> dict:
+    "`comparable_config` less the seed (a dict, or a `TrainConfig`): what the runs pooled across seeds must share."
+    d = config.to_dict() if hasattr(config, 'to_dict') else dict(config)
+    return {k: v for k, v in comparable_config(d).items() if k not in IDENTITY_EXCLUDED}
+
+def _canonical(v):
+    if isinstance(v, dict): return {str(k): _canonical(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)): return [_canonical(x) for x in v]
+    if isinstance(v, int) and not isinstance(v, bool): return float(v) if abs(v) < 2 ** 53 else str(v)   # 1 is 1.0
+    return v
+
+def config_hash(config) -> str:
+    "12 hex digits of the SHA-256 of `config_identity` (canonical JSON): two runs with one hash differ only by seed."
+    text = json.dumps(_canonical(config_identity(config)), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 # %% ../../nbs/05e_runio.ipynb #c5e1f0a2
 EXIT_BUSY = 75          # sysexits.h EX_TEMPFAIL: the run folder is in use by another process; try again later

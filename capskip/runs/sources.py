@@ -12,8 +12,8 @@ from .recipes import RECIPES, TrainConfig, get_recipe
 
 # %% auto #0
 __all__ = ['SOURCE_KINDS', 'SETTING_SOURCES', 'SCRATCH_SOURCES', 'IB_SOURCES', 'COLLAPSE_SOURCES', 'B1_SOURCES',
-           'FINETUNE_SOURCES', 'RECIPE_SOURCES', 'Source', 'paper', 'assumption', 'setting', 'unused', 'flat_fields',
-           'recipe_sources', 'show_recipe']
+           'FINETUNE_SOURCES', 'RECIPE_SOURCES', 'ARM_OPTION_SOURCES', 'ARM_PLUMBING', 'IMPLICIT_CHOICES', 'Source',
+           'paper', 'assumption', 'setting', 'unused', 'arm_settings', 'flat_fields', 'recipe_sources', 'show_recipe']
 
 # %% ../../nbs/05c_sources.ipynb #40763ec0
 SOURCE_KINDS = ('paper', 'assumption', 'setting', 'unused')
@@ -28,7 +28,7 @@ class Source:
         if not self.text.strip(): raise ValueError('a source needs its quote or reason')
 
 def paper(section: str, quote: str, note: str = '') -> Source:
-    "A value from the paper: its section and a quote (and a note, e.g. that SPEC §8 restores a lost number)."
+    "A value from the paper: its section and a quote (and a note, e.g. that the extraction lost the bracketed number)."
     return Source('paper', f'{section}: "{quote}"' + (f' ({note})' if note else ''))
 
 def assumption(why: str) -> Source:
@@ -62,7 +62,7 @@ SETTING_SOURCES: dict[str, Source] = {
 }
 
 # %% ../../nbs/05c_sources.ipynb #d349801e
-_LOST = 'the number is lost in the extracted text; SPEC §8 restores it'
+_LOST = 'the bracketed number is lost in the extracted text; restored from the paper\'s own formulas'
 _ONECYCLE = 'PyTorch OneCycleLR\'s default; the paper cites one-cycle [20] and states none of its parameters'
 _FT_UNUSED = unused('read only by the one-cycle schedule; this recipe uses warm-up + cosine')
 
@@ -76,16 +76,20 @@ SCRATCH_SOURCES: dict[str, Source] = {
     'model_kw.groups': assumption('32 groups, Wu & He\'s default: the paper says only "GroupNorm"'),
     'requires_pretrained': paper('§4.3', 'CIFAR-100 from scratch'),
     'policy_kw.budget': paper('Table 4 caption', 'CAPSkip (b=0.09) vs dense', '§2.2: selected on validation data in this setting'),
-    'mode': paper('§3 Execution requirement', 'we therefore use a one-forward selective-backward execution that reuses the scoring forward\'s activations'),
+    'mode': paper('§3 Execution requirement', 'We therefore use a one-forward selective-backward execution that reuses the scoring forward’s activations'),
     'epochs': paper('Table 5 caption', 'ResNet-18-GN, 200 epochs'),
     'batch_size': paper('Table 1 caption', 'CIFAR-100 ResNet-18-GN, B=128', 'the appendix\'s "final batch always has 72 rows" is 45,000 mod 128'),
-    'eval_every': paper('appendix, InfoBatch collapse diagnosis', 'epochs whose final batch had 1–8 rows end with validation accuracy halved', 'validation after every epoch'),
-    'base_lr': paper('appendix, InfoBatch collapse diagnosis', 'At peak learning rate 0.1 without clipping', 'dense and CAPSkip\'s peak lr; the peak is base_lr × batch_size / base_batch'),
+    'eval_every': assumption('inferred, not stated: the appendix counts epochs whose "validation accuracy halved", '
+                             'which needs validation after every epoch'),
+    'base_lr': assumption('inferred: §4.1 lost the number ("peak learning rate [ ] for dense and CAPSkip"); 0.1 is the '
+                          'appendix\'s from-scratch setting, whose collapse diagnosis counts dense and CAPSkip epochs beside '
+                          'InfoBatch runs "At peak learning rate 0.1 without clipping" (the peak is base_lr × batch_size / base_batch)'),
     'base_batch': assumption('the reference batch of the linear lr rule, equal to the batch size here, so the peak is base_lr'),
     'momentum': unused('cycle_momentum sets the momentum before every step'),
     'nesterov': assumption('plain momentum: the paper names no Nesterov'),
     'weight_decay': paper('§4.1 From scratch', 'weight decay [5e-4]', _LOST),
-    'clip_norm': paper('appendix, InfoBatch collapse diagnosis', 'peak learning rate 0.1 without clipping'),
+    'clip_norm': assumption('inferred: §4.1 names no clipping for dense and CAPSkip; §4.4 introduces clipping at 5 as '
+                            'InfoBatch\'s remedy ("All InfoBatch-family arms use this setting")'),
     'label_smoothing': paper('§4.1 From scratch', 'label smoothing [21] [0.1]', _LOST + '; the appendix: targets "label-smoothed ... matching the trained loss"'),
     'schedule': paper('§4.1 From scratch', 'one-cycle schedule [20] compressed to each epoch budget'),
     'pct_start': assumption(_ONECYCLE), 'div_factor': assumption(_ONECYCLE), 'final_div_factor': assumption(_ONECYCLE),
@@ -95,7 +99,7 @@ SCRATCH_SOURCES: dict[str, Source] = {
     'base_momentum': assumption(_ONECYCLE), 'max_momentum': assumption(_ONECYCLE),
     'amp': assumption('fp32: the paper states bf16 autocast only for fine-tuning'),
     'seeds': paper('Table 4 caption', 'seeds 2–6 (n=5)'),
-    'epoch_budgets': paper('Table 4', 'epochs 100, 120, 140, 160, 200'),
+    'epoch_budgets': paper('Table 4 caption', 'test time-to-accuracy over the 100–200-epoch frontier', 'its rows: 100, 120, 140, 160 and 200 epochs'),
     'time_matched_epochs': unused('the from-scratch comparisons use time to accuracy, not a time-matched dense budget'),
 }
 
@@ -105,7 +109,8 @@ IB_SOURCES: dict[str, Source] = {
     'base_lr': paper(_IB, 'tuning InfoBatch alone on seed-1 validation selected peak learning rate [0.05] with gradient clipping at norm [5]',
                      'the appendix: "With learning rate 0.05 and clipping at 5 there were 0 halvings"'),
     'clip_norm': paper(_IB, 'with gradient clipping at norm [5] ... All InfoBatch-family arms use this setting', 'the appendix gives 0.05 and 5'),
-    'policy_kw.ratio': paper('§4.2, Table 3', f'InfoBatch uses ratio {INFOBATCH_RATIO}'),
+    'policy_kw.ratio': assumption(f'inferred: §4.4 lost InfoBatch\'s r ("InfoBatch with [ ] and a full-data tail"); '
+                                  f'{INFOBATCH_RATIO} is the ratio §4.2 states for fine-tuning ("InfoBatch uses ratio 0.5")'),
     'policy_kw.delta': paper(_IB, 'InfoBatch with [r] and a full-data tail in the last 12.5% of epochs', f'δ = 1 − 0.125 = {INFOBATCH_DELTA}'),
     'policy_kw.final_batch': paper('appendix, InfoBatch collapse diagnosis', 'InfoBatch-family runs had 60 of 222 epochs whose final batch had 1–8 rows',
                                    'the paper kept tiny final batches; final_batch=merge is our guard, an option'),
@@ -135,7 +140,7 @@ B1_SOURCES: dict[str, Source] = {
     'policy_kw.p_min': assumption('rwp\'s probability floor: lost in the extracted text; 0.1 is our default'),
     'seeds': paper(_T6, 'mean final validation accuracy at 200 epochs over seeds 2–4'),
     'epochs': paper(_T6, 'at 200 epochs'),
-    'epoch_budgets': paper('§4.5 Re-weighting', '[rw] on test is ... above drop-only at 200 epochs ([+0.08, +1.64] at 120)'),
+    'epoch_budgets': paper('§4.5', 'on test it is pp [-0.09, +2.19] above drop-only at 200 epochs ( [+0.08, +1.64] at 120)', 'rw\'s contrast at both budgets'),
 }
 
 _FT = '§4.1 Fine-tuning'
@@ -149,7 +154,7 @@ FINETUNE_SOURCES: dict[str, Source] = {
     'model_kw.drop_path_rate': paper(_FT, 'drop path [0.1]', _LOST),
     'requires_pretrained': paper(_FT, 'DeiT-S/16 [22] pre-trained on ImageNet-1k'),
     'policy_kw.budget': paper(_FT, 'CAPSkip uses [b = 0.09] without tuning', '§2.2: "transferred unchanged to fine-tuning"'),
-    'mode': paper('§3 Execution requirement', 'a one-forward selective-backward execution that reuses the scoring forward\'s activations',
+    'mode': paper('§3 Execution requirement', 'a one-forward selective-backward execution that reuses the scoring forward’s activations',
                   'the paper\'s fine-tuning also chunks the kept rows\' backward by 64 (appendix); we back-propagate them at once'),
     'epochs': paper(_FT, 'bf16 autocast, 103 epochs, seeds 17, 29, 43'),
     'batch_size': paper('appendix, Fine-tuning implementation gate', 'ten early updates retaining 127–128 of 128 rows'),
@@ -213,6 +218,59 @@ RECIPE_SOURCES: dict[str, dict[str, Source]] = {
         'div_factor': unused('read only by one-cycle'), 'final_div_factor': unused('read only by one-cycle')}),
 }
 
+# %% ../../nbs/05c_sources.ipynb #a77ce002
+ARM_OPTION_SOURCES: dict[str, Source] = {
+    'budget': paper('Table 4 caption', 'CAPSkip (b=0.09) vs dense', '§2.2: "transferred unchanged to fine-tuning"'),
+    'beta': assumption('Selective-Backprop\'s exponent (keep probability = loss percentile ^ β): the paper states none; 2 '
+                       'reproduces §4.2\'s "SB back-propagates 33.9% of forwarded rows"'),
+    'history': assumption('Selective-Backprop\'s loss history for the percentile: the paper states none; 1024 recent losses'),
+    'min_prob': assumption('Selective-Backprop\'s probability floor: none (0), the paper names no floor'),
+    'prime_epochs': paper('§4.2', 'SB uses one dense priming epoch'),
+    'ratio': assumption(f'InfoBatch\'s prune ratio r: {INFOBATCH_RATIO}, which §4.2 states ("InfoBatch uses ratio 0.5"); '
+                        '§4.4 lost its own value'),
+    'delta': paper('§4.4 Setup', 'InfoBatch with [ ] and a full-data tail in the last 12.5% of epochs',
+                   f'δ = 1 − 0.125 = {INFOBATCH_DELTA}; in fine-tuning §4.2\'s "Outer pruning operates in epochs 2–90 and '
+                   'stops in epochs 91–103" is the same δ at 103 epochs'),
+    'p': assumption('rw\'s keep probability: lost in the extracted text; 0.5 is capskip.policies.reweight\'s default'),
+    'p_bar': assumption('rwp\'s target mean probability: lost in the extracted text; 0.5 is our default'),
+    'p_min': assumption('rwp\'s probability floor: lost in the extracted text; 0.1 is our default'),
+    'warmup_epochs': assumption('no warm-up outside Table 6\'s protocol: §4.1 states none for CAPSkip'),
+    'tail_fraction': assumption('CAPSkip active to the end outside Table 6\'s protocol: §4.1 states no switch-off'),
+    'ramp_epochs': assumption('no budget ramp: §4.5 says a linear ramp "changed accuracy only within seed noise"'),
+}
+ARM_PLUMBING = ('compile', 'engine', 'rank', 'world_size', 'final_batch', 'min_final_batch')   # run settings, not hyper-parameters
+
+IMPLICIT_CHOICES: dict[str, Source] = {
+    'weight decay on every parameter': assumption('the SGD weight decay applies to all parameters, GroupNorm/LayerNorm '
+                                                  'weights and biases and the head\'s bias included (PyTorch\'s default); the '
+                                                  'paper does not say which parameters it decays'),
+    'schedule through pruned epochs': assumption('the learning rate is a function of epoch progress (step i of an epoch\'s n '
+                                                 'batches sits at epoch + (i + 0.5)/n), so an InfoBatch epoch that forwards '
+                                                 'fewer rows still covers one whole epoch of the schedule; the paper does not '
+                                                 'say how pruned epochs advance it'),
+}
+
+def arm_settings(name: str) -> dict[str, tuple[object, list[str], Source]]:
+    """`{option: (default, arms, source)}`: the hyper-parameters recipe `name` leaves to the arms' defaults (not in its
+    `policy_kw`), with the arms that read each; an option without a source is an error."""
+    import inspect
+    from capskip.policies import POLICIES, list_policies, policy_options
+    config, out = get_recipe(name), {}
+    for arm in list_policies():
+        entry = POLICIES.get(arm)
+        defaults = {}
+        for cls in reversed(entry.obj.__mro__):
+            if '__init__' in cls.__dict__:
+                defaults.update({p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+                                 if p.default is not inspect.Parameter.empty})
+        for opt in sorted(policy_options(entry.obj) - set(entry.preset) - set(config.policy_kw) - set(ARM_PLUMBING)):
+            if not isinstance(defaults.get(opt), (int, float)) or isinstance(defaults.get(opt), bool): continue
+            if opt not in ARM_OPTION_SOURCES:
+                raise ValueError(f'{arm}: option {opt!r} has no source; add it to ARM_OPTION_SOURCES (nbs/05c_sources.ipynb)')
+            value, arms, src = out.get(opt, (defaults[opt], [], ARM_OPTION_SOURCES[opt]))
+            out[opt] = (value, arms + [arm], src)
+    return out
+
 # %% ../../nbs/05c_sources.ipynb #480bc166
 def flat_fields(config: TrainConfig) -> dict:
     "`{name: value}` of every field; a non-empty dict field is listed per key as `name.key`."
@@ -247,6 +305,11 @@ def show_recipe(name: str, width: int = 110) -> str:
         text = text if len(text) <= 26 else text[:23] + '...'
         lines.append(f'{key:<26} {text:<26} {src.kind}: {src.text}')
     counts = {k: sum(s.kind == k for _, s in rows.values()) for k in SOURCE_KINDS}
-    lines += ['', ', '.join(f'{n} {k}' for k, n in counts.items()) + ' fields.']
+    lines += ['', ', '.join(f'{n} {k}' for k, n in counts.items()) + ' fields.', '',
+              'arms\' own settings (not in policy_kw; --set policy_kw.NAME=VALUE overrides):']
+    for opt, (value, arms, src) in arm_settings(name).items():
+        who = arms[0] if len(arms) == 1 else f'{arms[0]} +{len(arms) - 1}'
+        lines.append(f'{"policy_kw." + opt:<26} {repr(value):<10} {who:<15} {src.kind}: {src.text}')
+    lines += ['', 'choices no field shows:'] + [f'{k}: {s.kind}: {s.text}' for k, s in IMPLICIT_CHOICES.items()]
     if config.notes: lines += [f'notes: {config.notes}']
     return '\n'.join(lines)

@@ -9,6 +9,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core import SEED_LIMIT
+from .build import policy_kwargs
 from .recipes import get_recipe, resolve_config
 from .runio import RunLockedError, read_json, run_dir, run_status
 from .train import train
@@ -40,6 +42,8 @@ def sweep_grid(recipe: str, arms: list[str], seeds: list[int], epochs: list[int]
         if not values: raise ValueError(f'the sweep needs at least one of {name}')
         if len(set(values)) != len(values): raise ValueError(f'{name} has duplicates: {values}')
     if any(e < 1 for e in epochs): raise ValueError(f'epoch budgets must be >= 1, got {epochs}')
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < SEED_LIMIT]
+    if bad: raise ValueError(f'seeds must be integers from 0 to 2**63 - 1 (a larger one aliases a smaller seed), got {bad}')
     return [RunSpec(recipe, a, s, e) for s in seeds for e in epochs for a in arms]
 
 def time_matched_epochs(epochs: int, ratio: float) -> int:
@@ -120,6 +124,8 @@ def sweep(recipe: str, arms: list[str], seeds: list[int], epochs: list[int] | No
         matched_arm = matched_arm or ('capskip' if 'capskip' in others else (others[0] if others else None))
         if matched_arm not in others:
             raise ValueError(f'--time-matched-dense needs the arm to match ({matched_arm!r}) among --arms {arms}')
+    for arm in arms:                     # every run's configuration, before the first run starts
+        for e in epochs: policy_kwargs(resolve_config(recipe, overrides, arm=arm, seed=seeds[0], epochs=e, **named))
     result = SweepResult()
     if dry_run:
         for spec in grid: log(f'would run {run_dir(out, spec.recipe, spec.arm, spec.seed, spec.epochs)}')

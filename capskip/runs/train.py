@@ -9,6 +9,9 @@ import contextlib
 import copy
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,19 +19,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import value_checks_off
 from ..core import derive_seed
 from .build import autocast_context, build_model, build_policy, build_splits, evaluate, resolve_device
 from .data import make_loader
 from .recipes import TrainConfig
 from .divergence import (FiniteWatch, RunDiverged, diverged_after_error, diverged_summary,
                                      grad_norm, run_tensors)
-from .runio import (RunLock, RunLockedError, load_checkpoint, read_json, run_dir, run_metadata, run_status,
-                                save_checkpoint, write_json, write_jsonl)
+from .runio import (VOLATILE_FIELDS, RunLock, RunLockedError, clean_stale_tmp, comparable_config, config_hash, load_checkpoint, read_json, read_jsonl, run_dir,
+                                run_metadata, run_status, save_checkpoint, to_json, write_json, write_jsonl)
 from .schedules import clip_grad_norm, lr_at, make_sgd, momentum_at, scaled_lr, set_lr, step_progress
 
 # %% auto #0
-__all__ = ['VOLATILE_FIELDS', 'RunState', 'CorrectCounter', 'train_epoch', 'warm_up', 'check_same_config', 'checkpoint_state',
-           'restore_checkpoint', 'final_summary', 'one_writer', 'train']
+__all__ = ['RunState', 'CorrectCounter', 'train_epoch', 'warm_up', 'check_same_config', 'check_same_threads', 'rebuild_results',
+           'checkpoint_state', 'restore_checkpoint', 'final_summary', 'one_writer', 'RunInterrupted', 'Saved',
+           'stop_on_signal', 'train']
 
 # %% ../../nbs/05_train.ipynb #e527d389
 @dataclass
@@ -110,6 +115,9 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
                              'would desynchronise data-parallel processes: run it without --ddp')
         dist.snapshot_policy(policy)
         global_sizes = dist.global_batch_sizes(batches)
+        if any(len(b) * dist.world_size != g for b, g in zip(batches, global_sizes)):
+            raise ValueError('data-parallel processes hold shards of different sizes in one step: DistributedDataParallel '
+                             'averages their gradients, so every process must forward as many rows (shard_rows pads to that)')
     if hasattr(train, 'set_epoch'): train.set_epoch(epoch)
     torch.manual_seed(derive_seed(cfg.seed, 'global', epoch))  # dropout / drop path: a function of (seed, epoch)
     weights = getattr(plan, 'weights', None)
@@ -118,9 +126,11 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
     bar = tqdm(total=len(batches), desc=f'{cfg.arm} {epoch + 1}/{cfg.epochs}', leave=False,
                disable=progress != 'bar' or (dist is not None and dist.rank != 0), dynamic_ncols=True)
     state.model.train()   # no zero_grad here: a pooling policy may carry gradients into the next epoch
-    steps, lr, seen, stats, i, joined = 0, None, 0, None, 0, 0   # joined: gradient all-reduces made so far
+    steps, lr, seen, stats, i = 0, None, 0, None, 0
     nonempty = [b for b in batches if len(b)]
     loader = iter(make_loader(train, nonempty, num_workers=cfg.num_workers)) if nonempty else iter(())
+    quiet = contextlib.ExitStack()   # data-parallel: a NaN flows on to every process's check (no raise mid-collective)
+    if dist is not None: quiet.enter_context(value_checks_off())
     _sync(device); start = time.perf_counter()
     try:
         for i, rows in enumerate(batches):
@@ -131,12 +141,13 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
                 w = None if weights is None else weights[idx].to(device, non_blocking=True)
                 counter.start()
                 with autocast_context(device, cfg.amp):
-                    stats = policy.step(x, y, idx.to(device), weights=w)
+                    if dist is None: stats = policy.step(x, y, idx.to(device), weights=w)
+                    else:            # DDP averages over processes: (1/W) Σ_r Σ_kept / (|B|/W) = Σ_kept / |B|
+                        stats = policy.step(x, y, idx.to(device), weights=w, denominator=global_sizes[i] / dist.world_size)
                 counter.add(stats, y)
                 should_step, seen = bool(getattr(stats, 'should_step', True)), seen + len(idx)
                 loss = _stat(stats, 'loss_sum')
             if should_step:
-                if dist is not None: dist.allreduce_gradients(params, len(rows), global_sizes[i]); joined = i + 1
                 norm = clip_grad_norm(params, cfg.clip_norm)          # the norm before clipping, or None when off
                 watch.add(i, loss, norm if norm is not None else grad_norm(params))   # on the device: no host read
                 progress_i = step_progress(epoch, i, len(batches), cfg.epochs)
@@ -151,18 +162,13 @@ def train_epoch(state: RunState, progress: str = 'bar', refresh: int = 10) -> di
                 bar.set_postfix(loss='-' if loss is None else 'nan' if loss_v is None else f'{loss_v / len(rows):.3f}',
                                 acc=f'{counter.correct.item() / max(1, seen):.3f}',
                                 bwd=f'{_num(kept) / len(rows):.0%}' if kept is not None else '-')
-    except Exception as err:        # e.g. the CPU value checks refusing NaN logits: a divergence, or a real error
+    except Exception as err:        # e.g. the CPU value checks refusing NaN logits (not under DDP): a divergence, or a real error
         found = diverged_after_error(watch, counter.logits, state.model, epoch + 1, i, len(batches))
         if found is None: raise
-        if dist is None:
-            state.train_time_s += time.perf_counter() - start
-            raise found from err
-        watch.note(found)           # data-parallel: join the others' remaining all-reduces; all stop at the epoch's end
-        for j in range(joined, len(batches)):
-            for p in params: p.grad = None
-            dist.allreduce_gradients(params, 0, global_sizes[j])
+        state.train_time_s += time.perf_counter() - start
+        raise found from err
     finally:
-        bar.close(); counter.close()
+        bar.close(); counter.close(); quiet.close()
     _sync(device); elapsed = time.perf_counter() - start
     state.train_time_s += elapsed
     diverged = watch.read(epoch + 1, len(batches), dist, run_tensors(state.model, opt))  # one read per epoch
@@ -202,22 +208,42 @@ def warm_up(state: RunState) -> float:
     return elapsed
 
 # %% ../../nbs/05_train.ipynb #b92f6fd0
-VOLATILE_FIELDS = ('data_root', 'download', 'num_workers', 'device', 'eval_batch_size', 'description', 'notes',
-                   'seeds', 'epoch_budgets', 'time_matched_epochs')  # do not change what a run computes
-
-def _comparable(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in VOLATILE_FIELDS and k != 'meta'}
-
 def check_same_config(folder: Path, config: TrainConfig) -> None:
     "Refuse to continue or reuse a run folder whose saved configuration differs from `config`."
     saved_path = folder / 'config.json'
     if not saved_path.exists(): return
-    saved, new = _comparable(read_json(saved_path)), _comparable(json.loads(json.dumps(config.to_dict())))
+    saved, new = comparable_config(read_json(saved_path)), comparable_config(json.loads(json.dumps(config.to_dict())))
     diff = sorted(k for k in set(saved) | set(new) if saved.get(k) != new.get(k))
     if diff:
         detail = ', '.join(f'{k}: saved {saved.get(k)!r} vs now {new.get(k)!r}' for k in diff[:5])
         raise ValueError(f'{folder} holds a run with a different configuration ({detail}); '
                          'choose another --out folder or delete that run folder')
+
+def _saved_meta(folder: Path) -> dict:
+    try: meta = read_json(folder / 'config.json').get('meta') if (folder / 'config.json').exists() else None
+    except (ValueError, OSError, AttributeError, RecursionError): meta = None
+    return meta if isinstance(meta, dict) else {}
+
+def check_same_threads(folder: Path, saved_meta: dict, device: torch.device) -> dict:
+    """Refuse to resume a CPU run with another intra-op thread count than it started with (CPU reductions then add in
+    another order: the resumed run would not be the uninterrupted one); on a GPU the count is recorded instead."""
+    saved, now = saved_meta.get('threads'), torch.get_num_threads()
+    if saved is None or saved == now: return {}
+    if device.type == 'cpu':
+        raise ValueError(f'{folder} was trained with {saved} CPU thread(s) and this process has {now}: resume it with '
+                         f'OMP_NUM_THREADS={saved} (or torch.set_num_threads({saved})) to continue bit for bit, '
+                         'or delete the folder to start over')
+    return {'threads_on_resume': saved_meta.get('threads_on_resume', []) + [now]}
+
+def rebuild_results(folder: Path, rows: list) -> bool:
+    """Make `results.jsonl` hold exactly `rows` (the checkpoint's, one per finished epoch); True when it had to be
+    rewritten (a crash between the checkpoint and the results file, or a file deleted or damaged since)."""
+    path, want = folder / 'results.jsonl', [json.loads(to_json(r)) for r in rows]
+    try: have = read_jsonl(path) if path.is_file() else None
+    except (ValueError, OSError, RecursionError): have = None
+    if have == want: return False
+    write_jsonl(path, rows)
+    return True
 
 def checkpoint_state(state: RunState) -> dict:
     "The checkpoint dictionary of a run (tensors and plain containers only)."
@@ -276,8 +302,37 @@ def one_writer(folder: Path, dist=None):
 
 def _logged_epochs(folder: Path) -> int:
     path = folder / 'results.jsonl'
-    if not path.exists(): return 0
-    return sum(1 for line in path.read_text(encoding='utf-8', errors='replace').splitlines() if line.strip())
+    try: text = path.read_text(encoding='utf-8', errors='replace') if path.exists() else ''
+    except OSError: return -1                      # unreadable (a folder in its place): not a count of epochs
+    return sum(1 for line in text.splitlines() if line.strip())
+
+class RunInterrupted(KeyboardInterrupt):
+    "SIGTERM, raised in the main thread while `train` runs (SIGINT is Python's own `KeyboardInterrupt`)."
+
+@dataclass
+class Saved:
+    "How far the run folder's checkpoint reached (`epoch` finished epochs), for the message on an interruption."
+    epoch: int = 0
+
+@contextlib.contextmanager
+def stop_on_signal(folder: Path, dist=None):
+    """Turn SIGINT and SIGTERM during a run into one line on stderr and `SystemExit(128 + signal)`: the files in place
+    are whole (every write is atomic), and `--resume` continues from the last finished epoch bit for bit."""
+    saved, previous = Saved(), None
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        def on_term(signum, frame): raise RunInterrupted('SIGTERM')
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try: yield saved
+    except KeyboardInterrupt as e:
+        name, code = ('SIGTERM', 143) if isinstance(e, RunInterrupted) else ('SIGINT', 130)
+        if dist is None or dist.rank == 0:
+            kept = (f'checkpoint.pt keeps its {saved.epoch} finished epoch(s): rerun with --resume to continue bit for bit'
+                    if saved.epoch else 'no epoch had finished: rerun with --resume to start it again')
+            print(f'capskip: {name}: stopped {folder}; {kept}', file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
+    finally:
+        if previous is not None: signal.signal(signal.SIGTERM, previous)
 
 def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, progress: str = 'bar',
           stop_after: int | None = None, dist=None) -> dict:
@@ -288,18 +343,26 @@ def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, p
     A run whose loss or gradient stops being finite ends with `final['status'] == 'diverged'` (see
     `capskip.runs.divergence`). Raises `RunLockedError` when another process is writing the run folder."""
     if progress not in ('bar', 'lines', 'none'): raise ValueError(f"progress must be 'bar', 'lines' or 'none', got {progress!r}")
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 0):
+        raise ValueError(f'stop_after (--stop-after) must be a whole number of epochs >= 0, got {stop_after!r}')
     folder = run_dir(out, config.recipe, config.arm, config.seed, config.epochs)
-    with one_writer(folder, dist):        # before the folder is looked at, until final.json is written
-        return _train_locked(config, folder, resume, progress, stop_after, dist)
+    with stop_on_signal(folder, dist) as saved, one_writer(folder, dist):   # the lock: before the folder is looked at
+        if dist is None or dist.rank == 0: clean_stale_tmp(folder)          # a killed writer's half files: ours now
+        return _train_locked(config, folder, resume, progress, stop_after, dist, saved)
 
-def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str, stop_after: int | None, dist) -> dict:
+def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str, stop_after: int | None, dist,
+                  saved_to: Saved | None = None) -> dict:
     is_main = dist is None or dist.rank == 0
     status = run_status(folder)
+    ckpt_path = folder / 'checkpoint.pt'
     if status in ('complete', 'diverged'):
         check_same_config(folder, config)
         _log(progress, f'{folder}: {"finished" if status == "complete" else "diverged"} run, not recomputed', dist)
+        if status == 'complete' and is_main and _logged_epochs(folder) != config.epochs and ckpt_path.exists():
+            ckpt = load_checkpoint(ckpt_path)              # a finished run whose results file lost rows: repaired
+            if int(ckpt['epoch']) == config.epochs and rebuild_results(folder, json.loads(ckpt['rows'])):
+                _log(progress, f'{folder}: results.jsonl rebuilt from the checkpoint\'s {config.epochs} rows', dist)
         return read_json(folder / 'final.json')
-    ckpt_path = folder / 'checkpoint.pt'
     if not ckpt_path.exists() and _logged_epochs(folder):
         raise ValueError(f'{folder} holds {_logged_epochs(folder)} finished epoch(s) in results.jsonl but no checkpoint.pt '
                          '(deleted?): the run cannot continue where it stopped; delete the folder to start over')
@@ -308,28 +371,33 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
                          'or delete the folder to start over')
     if ckpt_path.exists(): check_same_config(folder, config)
     device = dist.device if dist is not None else resolve_device(config.device)
+    saved_meta = _saved_meta(folder) if ckpt_path.exists() else {}
+    threads = check_same_threads(folder, saved_meta, device)
     splits = build_splits(config)
     model = build_model(config, splits.num_classes, splits.in_chans).to(device)
     if dist is not None: dist.broadcast_parameters(model)
-    policy = build_policy(config, model, dist)
+    policy = build_policy(config, model if dist is None else dist.wrap(model), dist)   # DDP's reducer syncs the backward
     world = dist.world_size if dist is not None else 1
     peak_lr = scaled_lr(config.base_lr, config.batch_size * world, config.base_batch)  # global batch
     optimizer = make_sgd(model.parameters(), peak_lr, config.momentum, config.weight_decay, config.nesterov)
     state = RunState(config, device, splits, model, policy, optimizer, peak_lr, dist=dist)
-    meta = run_metadata(config.seed, device)
+    meta = dict(run_metadata(config.seed, device), config_hash=config_hash(config))
     if dist is not None: meta['world_size'] = dist.world_size
     warmup_s = warm_up(state) if config.warmup else 0.0   # before restoring: a checkpoint overwrites its traces
     if ckpt_path.exists():
         restore_checkpoint(state, load_checkpoint(ckpt_path, map_location=device))
-        saved = read_json(folder / 'config.json') if (folder / 'config.json').exists() else {}
-        meta = dict(saved.get('meta', meta), resumed=saved.get('meta', {}).get('resumed', []) + [meta['start_time']])
-        _log(progress, f'{folder}: resuming after epoch {state.epoch}', dist)
+        meta = dict(saved_meta or meta, resumed=saved_meta.get('resumed', []) + [meta['start_time']],
+                    config_hash=meta['config_hash'], **threads)
+        if saved_to is not None: saved_to.epoch = state.epoch
+        rebuilt = is_main and rebuild_results(folder, state.rows)
+        _log(progress, f'{folder}: resuming after epoch {state.epoch}' + (' (results.jsonl rebuilt from the checkpoint\'s '
+             f'{len(state.rows)} rows)' if rebuilt else ''), dist)
     if is_main: write_json(folder / 'config.json', dict(config.to_dict(), meta=meta))
     last = stop_after if stop_after is not None else config.epochs
     while state.epoch < min(last, config.epochs):
         try: row = train_epoch(state, progress)
         except RunDiverged as d:          # the diverged epoch is not saved: checkpoint.pt stays the last finite one
-            final = diverged_summary(config, d, state.train_time_s, state.epoch, peak_lr)
+            final = dict(diverged_summary(config, d, state.train_time_s, state.epoch, peak_lr), config_hash=meta['config_hash'])
             if is_main: write_json(folder / 'final.json', final)
             if dist is not None: dist.barrier()
             _log(progress, f'{folder}: DIVERGED, {d} (status "diverged" written to final.json)', dist)
@@ -346,12 +414,15 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
         if dist is not None: dist.sync_policy(policy, len(splits.train))
         if is_main:
             save_checkpoint(ckpt_path, checkpoint_state(state))
-            write_jsonl(folder / 'results.jsonl', state.rows)
+            if saved_to is not None: saved_to.epoch = state.epoch
+            write_jsonl(folder / 'results.jsonl', state.rows)   # a crash before this line: rebuilt on resume
         if dist is not None: dist.barrier()
         _log(progress, _epoch_line(config, row), dist)
     if state.epoch < config.epochs: return state.rows[-1] if state.rows else {}
-    final = final_summary(state)
-    if is_main: write_json(folder / 'final.json', final)
+    final = dict(final_summary(state), config_hash=meta['config_hash'])
+    if is_main:
+        rebuild_results(folder, state.rows)              # results.jsonl holds exactly the rows final.json summarises
+        write_json(folder / 'final.json', final)
     return final
 
 def _epoch_line(config: TrainConfig, row: dict) -> str:
