@@ -159,8 +159,8 @@ def test_the_held_out_mixers_are_wrong_without_the_probe(name, monkeypatch):
 @pytest.mark.parametrize('mode', SKIPPING)
 @pytest.mark.parametrize('name', list(MIXERS))
 def test_rows_mixed_without_a_nan_crossing_are_refused(name, mode):
-    "Before: no warning, wrong gradients (see the test above). Reuse is refused on the MoE too, conservatively: it replays the
-    full batch's routing from its saved values and would be exact there, but the probe cannot tell a harmless integer path."
+    """Before: no warning, wrong gradients (see the test above). Reuse is refused on the MoE too, conservatively: it replays the
+    full batch's routing from its saved values and would be exact there, but the probe cannot tell a harmless integer path."""
     build, where = MIXERS[name]
     x, y = data(16)
     model = build()
