@@ -206,8 +206,8 @@ def _subset_drift(full, sub, batch: int, h: int) -> tuple[float, float]:
 def _where(module: nn.Module, names: dict) -> str:
     return f'{names.get(module, "?")} ({type(module).__name__})'
 
-def _first_moved(model: nn.Module, clean: torch.Tensor, xin: torch.Tensor, rows, names: dict) -> tuple[str, nn.Module | None, tuple]:
-    "The first module whose output moved outside `rows` between the forwards of `clean` and `xin` (each module's output kept: run only to name it)."
+def _first_moved(model: nn.Module, clean: torch.Tensor, xin: torch.Tensor, rows, names: dict) -> tuple | None:
+    "The first module whose output moved outside `rows` between the forwards of `clean` and `xin` (each module's output kept: run only to name it); None if nothing moved this time."
     batch, kept, found = clean.shape[0], {}, []
     def keep(module, inputs, output, parent, call):
         kept[call] = ([t.clone() for t in _tensors(output)], [t.clone() for t in _tensors(inputs)])
@@ -219,7 +219,7 @@ def _first_moved(model: nn.Module, clean: torch.Tensor, xin: torch.Tensor, rows,
         culprit = parent if parent is not None and (old_in is None or _moved(old_in, inputs, batch, rows)) else module
         found.append((f'module {_where(culprit, names)}', culprit, next((tuple(t.shape) for t in _tensors(output)), ())))
     _hooked(model, xin, compare)
-    return found[0] if found else (f'the output of {type(model).__name__}', None, ())
+    return found[0] if found else None
 
 INTEGER_PATHS = ('rows mix through an integer path (argmax/top-k routing with a batch-wide capacity, a sort, a count) or a '
                   'NaN-skipping statistic (nanmean)')
@@ -257,8 +257,10 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
         if again is None: again = _hooked(model, clean)
         noisy = _moved(out_clean, again, batch, ())      # the plain forward is not reproducible bit for bit
         if noisy and not _beyond_noise(out_clean, again, out, batch, moved): continue
-        where, module, shape = ((f'the output of {type(model).__name__}', None, tuple(_tensors(out)[0].shape)) if noisy
-                                else _first_moved(model, clean, xin, moved, names))
+        named = (f'the output of {type(model).__name__}', None, tuple(_tensors(out)[0].shape)) if noisy else \
+                _first_moved(model, clean, xin, moved, names)
+        if named is None: continue                       # the change did not come back: run-to-run noise after all
+        where, module, shape = named
         what = 'row 0 to NaN' if len(moved) == 1 else f'rows 0-{len(moved) - 1}'
         how = 'by more than 16x the run-to-run noise' if noisy else 'bit for bit'
         raise row_dependence_error(where, f'changing {what} changed other rows of an output of shape {shape} {how}, '
