@@ -2,6 +2,7 @@
 post-accumulate hooks, GradScaler, gradient accumulation, the one host read of a step, and refusals — each checked
 against plain autograd of the kept rows with the zero-gradient-safe metric (`capskip.engine.check.grad_errors`)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -14,18 +15,24 @@ from capskip.engine.check import grad_errors, model_grads
 from capskip.testing import digits_tensors, trained_digits_mlp
 
 MODES = ('masked', 'reforward', 'reuse')
+DEVICE = torch.device(os.environ.get('CAPSKIP_TEST_DEVICE', 'cpu'))     # tools/gpu_check.py runs this file on cuda
 
 
 def gn_cnn():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+                         nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).to(DEVICE)
+
+
+def batch(g, n=8):
+    "A random [n, 3, 8, 8] batch and labels from the CPU generator `g`, on the test device."
+    return torch.randn(n, 3, 8, 8, generator=g).to(DEVICE), torch.randint(0, 5, (n,), generator=g).to(DEVICE)
 
 
 @pytest.fixture(scope='module')
 def digits():
     X, Y, _, _ = digits_tensors()
-    return trained_digits_mlp(), X[:64], Y[:64]
+    return trained_digits_mlp().to(DEVICE), X[:64].to(DEVICE), Y[:64].to(DEVICE)
 
 
 def reference(model, x, y, applied, hooks=(), scale=1.0, denominator=None):
@@ -60,9 +67,9 @@ def test_loss_api_is_the_kept_rows_autograd_gradient(digits, mode):
 @pytest.mark.parametrize('mode', MODES)
 def test_a_tensor_hook_on_a_weight_is_honoured_once(mode):
     model, g = gn_cnn(), torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
-    w = torch.tensor([0., 1., 0., 1., 1., 0., 1., 1.])
-    mask = (torch.rand(model[3].weight.shape, generator=g) > 0.5).float()       # pruning-style gradient mask
+    x, y = batch(g)
+    w = torch.tensor([0., 1., 0., 1., 1., 0., 1., 1.], device=DEVICE)
+    mask = (torch.rand(model[3].weight.shape, generator=g) > 0.5).float().to(DEVICE)   # pruning-style gradient mask
     calls = []
     def install(m):
         m[3].weight.register_hook(lambda grad: calls.append(1) or grad * mask)
@@ -96,14 +103,14 @@ def test_grad_scaler_with_fp16_autocast_steps_like_plain_autograd(mode):
     model = gn_cnn()
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
-    w = torch.tensor([1., 0., 1., 0., 1., 1., 0., 1.])
+    x, y = batch(g)
+    w = torch.tensor([1., 0., 1., 0., 1., 1., 0., 1.], device=DEVICE)
     outs = []
     for net, skipping in ((model, True), (twin, False)):
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
-        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
         engine = capskip.Engine(net, mode=mode if skipping else 'masked')
-        with torch.autocast('cpu', dtype=torch.float16):
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
             fwd = engine.forward(x)
             loss = (F.cross_entropy(fwd.logits.float(), y, reduction='none') * w).mean()
         scaler.scale(loss).backward()
@@ -150,7 +157,7 @@ def test_the_backward_reads_the_kept_count_once(digits, mode):
     assert counted.reads == ['_local_scalar_dense'], counted.reads
     engine = skip.engine                                                   # the engine's own step: its read is the only one
     fwd = engine.forward(x)
-    with HostReads() as counted: engine.loss_backward(fwd, y, row_weights=(torch.arange(64) % 3 > 0).float())
+    with HostReads() as counted: engine.loss_backward(fwd, y, row_weights=(torch.arange(64, device=DEVICE) % 3 > 0).float())
     assert counted.reads == ['_local_scalar_dense'], counted.reads
 
 
@@ -164,7 +171,7 @@ def test_a_det_lastfix_gradient_goes_through_autograd(digits):
     skip.loss(skip(x), y).backward()
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], head.weight.grad)
-    dense_head = reference(model, x, y, torch.ones(64))                   # det_lastfix: the head gets the dense gradient
+    dense_head = reference(model, x, y, torch.ones(64, device=DEVICE))                   # det_lastfix: the head gets the dense gradient
     name = next(n for n, p in model.named_parameters() if p is head.weight)
     torch.testing.assert_close(head.weight.grad, dense_head[name], atol=1e-6, rtol=1e-4)
 
@@ -191,3 +198,23 @@ def test_int32_labels_and_a_compiled_module_object(digits):
     compiled = torch.compile(copy.deepcopy(model))
     engine = capskip.Engine(compiled, mode='masked')
     assert engine.model is compiled._orig_mod and engine.compile
+
+
+@pytest.mark.parametrize('path', ('loss', 'step'))
+def test_ignored_labels_and_a_temperature_follow_cross_entropy(digits, path):
+    "Rows labelled -100 are never kept and leave the denominator (as in F.cross_entropy); the loss is CE(z / T)."
+    model, x, y = digits
+    model = copy.deepcopy(model)
+    y = y.clone(); y[::5] = -100
+    skip = capskip.CAPSkip(model, budget=0.3, mode='reuse', temperature=2.0)
+    if path == 'loss': skip.loss(skip(x), y).backward()
+    else: skip.step(x, y)
+    applied = skip.last.applied
+    assert float(applied[::5].abs().max()) == 0.0 and int((applied > 0).sum()) < int((y != -100).sum())
+    twin = copy.deepcopy(model); twin.zero_grad(set_to_none=True)
+    per_row = F.cross_entropy(twin(x) / 2.0, y, reduction='none')            # -100 rows give 0 here
+    (per_row * applied).sum().div(int((y != -100).sum())).backward()
+    worst, overall = grad_errors(model_grads(model), model_grads(twin))
+    assert worst <= 1e-5 and overall <= 1e-5, (path, worst)
+    with pytest.raises(ValueError, match='temperature must be a number > 0'):
+        capskip.CAPSkip(model, temperature=0)

@@ -15,7 +15,7 @@ from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
 from ..engine.head import passes_through
 from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
-                                   epoch_counters, record, run_step, step_loss)
+                                   epoch_counters, record, run_step, step_loss, IGNORE_INDEX)
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
                                        rw_multipliers, rwp_multipliers)
 from ..selector import last_layer_grad, select
@@ -54,8 +54,12 @@ class CAPSkip:
     def __init__(self, model: nn.Module, budget: float = DEFAULT_BUDGET, mode: str = 'reuse', head: nn.Module | None = None,
                  label_smoothing: float = 0.0, reweight: str | None = None, p: float = RW_P, p_bar: float = RWP_MEAN,
                  p_min: float = RWP_MIN, weighted: bool = True, exclude_upweighted: bool = False, seed: int = 0,
-                 engine: Engine | None = None, compile: bool = False, ddp_check: bool = True):
+                 engine: Engine | None = None, compile: bool = False, ddp_check: bool = True, temperature: float = 1.0,
+                 ignore_index: int = IGNORE_INDEX):
         check_capskip_options(budget, reweight, p, p_bar, p_min)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f'temperature must be a number > 0 (the loss is CE(logits / temperature)), got {temperature!r}')
+        self.temperature, self.ignore_index = float(temperature), int(ignore_index)
         self.engine = Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check) if engine is None else engine
         self.model, self.label_smoothing, self.seed = model, float(label_smoothing), int(seed)
         self.options = dict(budget=float(budget), weighted=bool(weighted), exclude_upweighted=bool(exclude_upweighted),
@@ -94,14 +98,16 @@ class CAPSkip:
     def loss(self, logits: Tensor, y: Tensor, weights: Tensor | None = None, denominator: float | None = None) -> Tensor:
         "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size): back-propagate it yourself."
         loss, stats = step_loss(self.engine, logits, self.features_of(logits), y, weights, self.decide,
-                                self.label_smoothing, denominator=denominator)
+                                self.label_smoothing, denominator=denominator, temperature=self.temperature,
+                                ignore_index=self.ignore_index)
         record(self.stats, stats)
         self.last = stats
         return loss
 
     def step(self, x: Tensor, y: Tensor, weights: Tensor | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`)."
-        stats = run_step(self.engine, x, y, weights, self.decide, self.label_smoothing)
+        stats = run_step(self.engine, x, y, weights, self.decide, self.label_smoothing, temperature=self.temperature,
+                         ignore_index=self.ignore_index)
         record(self.stats, stats)
         self.last = stats
         return stats

@@ -20,9 +20,9 @@ from ..registry import Registry
 from ..selector import last_layer_grad
 
 # %% auto #0
-__all__ = ['Rule', 'POLICIES', 'StepStats', 'Policy', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
-           'realised_distortion', 'lastfix_grad', 'decide', 'run_step', 'step_loss', 'device_generator', 'BasePolicy',
-           'DensePolicy', 'check_step_inputs', 'check_plan_args']
+__all__ = ['Rule', 'IGNORE_INDEX', 'POLICIES', 'StepStats', 'Policy', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
+           'realised_distortion', 'lastfix_grad', 'decide', 'loss_denominator', 'run_step', 'step_loss',
+           'device_generator', 'BasePolicy', 'DensePolicy', 'check_step_inputs', 'check_plan_args']
 
 # %% ../../nbs/02b_policy_core.ipynb #3671c9eb
 @dataclass
@@ -88,6 +88,7 @@ class Decision:
     lastfix: Tensor | None = None    # [B] weights of rows whose last-layer gradient is added after the backward
 
 Rule = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Decision]
+IGNORE_INDEX = -100          # F.cross_entropy's default: rows with this label are not in the loss (HF collators pad with it)
 
 def realised_distortion(res: Tensor, feats: Tensor, weights: Tensor, received: Tensor, bias: bool = True) -> Tensor:
     "‖Σ (w_i − received_i) g_i‖ / ‖Σ w_i g_i‖ (absolute numerator when the denominator is 0)."
@@ -104,13 +105,18 @@ def lastfix_grad(head: nn.Module, res: Tensor, feats: Tensor, dropped_weights: T
     return inject_grad(params, [(g / denominator).to(p.dtype) for g, p in zip(grads, params)])
 
 def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
-           label_smoothing: float = 0.0, bias: bool | None = None) -> tuple:
-    "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y), all on the device."
+           label_smoothing: float = 0.0, bias: bool | None = None, temperature: float = 1.0,
+           ignore_index: int = IGNORE_INDEX) -> tuple:
+    "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y, rows counted), on the device."
     B = logits.shape[0]
-    logits = logits.detach().float()
+    logits = logits.detach().float() / temperature
     y = y.to(logits.device)
-    if not y.is_floating_point() and y.dtype != torch.long: y = y.long()     # int32/uint8 labels
     w = torch.ones(B, device=logits.device) if weights is None else weights.detach().to(logits.device, torch.float32)
+    counted = ignored = None                                         # rows in the loss: all, unless labels are ignored
+    if not y.is_floating_point():
+        if y.dtype != torch.long: y = y.long()                       # int32/uint8 labels
+        ignored = y == ignore_index                                  # F.cross_entropy's ignore_index (HF pads with -100)
+        y, w, counted = torch.where(ignored, 0, y), torch.where(ignored, 0.0, w), (~ignored).sum()
     res = ce_residuals(logits, y, label_smoothing)                   # softmax(z) − y: the step's one softmax
     losses = F.cross_entropy(logits, y, reduction='none', label_smoothing=label_smoothing)
     if rule is None:
@@ -120,15 +126,24 @@ def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights:
         d = rule(logits, y, res, feats, w, losses)
         received = d.applied if d.last_layer is None else d.last_layer
         distortion = realised_distortion(res, feats, w, received, engine.head.bias is not None if bias is None else bias)
-    return d, res, losses, distortion, (logits.argmax(1) == target_classes(y)).sum(), y
+    hit = logits.argmax(1) == target_classes(y)
+    if ignored is not None: hit, losses = hit & ~ignored, torch.where(ignored, 0.0, losses)   # ignored rows count nowhere
+    return d, res, losses, distortion, hit.sum(), y, counted
+
+def loss_denominator(B: int, counted: Tensor | None, denominator: float | None) -> float | Tensor:
+    "The loss's denominator: `denominator` if given, else the rows not ignored (a 0-d tensor, ≥ 1) when labels are ignored, else B."
+    if denominator is not None: return denominator
+    return B if counted is None else counted.clamp_min(1).float()
 
 def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
-             label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None) -> StepStats:
+             label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None,
+             temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> StepStats:
     "Forward every row, apply `rule(logits, y, residuals, features, w, losses)` (None: dense), back-propagate with denominator B (the rows forwarded, unless given)."
     B = check_step_inputs(x, y, weights, denominator)
     fwd = engine.forward(x)
-    d, res, losses, distortion, correct, y = decide(engine, fwd.logits, fwd.features, y, weights, rule, label_smoothing, bias)
-    den = B if denominator is None else denominator
+    d, res, losses, distortion, correct, y, counted = decide(engine, fwd.logits, fwd.features, y, weights, rule,
+                                                             label_smoothing, bias, temperature, ignore_index)
+    den = loss_denominator(B, counted, denominator) * temperature    # d/dz of CE(z / T) is (softmax(z / T) − y) / T
     extra = ()
     if d.lastfix is not None:
         fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
@@ -137,14 +152,16 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
     return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
 
 def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
-              label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None) -> tuple[Tensor, StepStats]:
+              label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None,
+              temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, StepStats]:
     "The selected objective (1/den) Σ applied_i ℓ_i on `logits` as a loss to back-propagate, and the step's statistics (`kept` a 0-d tensor)."
     B = check_step_inputs(logits, y, weights, denominator)
-    d, res, losses, distortion, correct, y = decide(engine, logits, features, y, weights, rule, label_smoothing, bias)
-    den = B if denominator is None else denominator
-    per_row = F.cross_entropy(logits.float(), y, reduction='none', label_smoothing=label_smoothing)
+    d, res, losses, distortion, correct, y, counted = decide(engine, logits, features, y, weights, rule, label_smoothing,
+                                                             bias, temperature, ignore_index)
+    den = loss_denominator(B, counted, denominator)
+    per_row = F.cross_entropy(logits.float() / temperature, y, reduction='none', label_smoothing=label_smoothing)
     loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
-    if d.lastfix is not None: loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den)
+    if d.lastfix is not None: loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
     return loss, StepStats((d.applied > 0).sum(), B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
 
 
