@@ -17,14 +17,18 @@ import time
 from configparser import ConfigParser
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+import fnmatch
 
-from .fixes import sphinx_ready, split_title_cell, unhide_show_doc
+import posixpath
+
+from .fixes import SOURCE_DIR, cell_text, sphinx_ready, split_title_cell, unhide_show_doc
 from .readme import find_repo_root
 
 # %% auto #0
-__all__ = ['MARKER', 'read_settings', 'site_url', 'page_name', 'Page', 'find_pages', 'has_outputs', 'should_execute',
-           'process_notebook', 'cache_key', 'toctree_cell', 'sphinx_conf', 'stage_sources', 'clear_output',
-           'BuildReport', 'DocsBuildError', 'serve_tasks', 'build_site']
+__all__ = ['SIDEBAR', 'MARKER', 'read_settings', 'site_url', 'page_name', 'Page', 'sidebar_section', 'find_pages', 'has_outputs',
+           'should_execute', 'process_notebook', 'cache_key', 'toctree_cell', 'sphinx_conf', 'write_source_pages',
+           'api_anchors', 'fallback_api_links', 'stage_sources', 'clear_output', 'BuildReport', 'DocsBuildError',
+           'serve_tasks', 'build_site']
 
 # %% ../../nbs/10c_docs_build.ipynb #9ced1595
 def read_settings(root: Path) -> dict[str, str]:
@@ -56,11 +60,30 @@ class Page:
 def _skipped(rel: PurePosixPath) -> bool:
     return any(part.startswith(('_', '.')) for part in rel.parts)
 
+SIDEBAR = [   # (caption, notebook globs relative to nbs/): the sidebar's sections in reading order; first match wins
+    ('Tutorials', ['tutorials/*']),
+    ('The method', ['00_selector.ipynb', '01_engine.ipynb', '02_policies.ipynb']),
+    ('Experiments', ['03_runs.ipynb', '05_train.ipynb', '05r_reproduce.ipynb', '06_analysis.ipynb', '07_report.ipynb',
+                     '07d_demo.ipynb', '08_bench.ipynb', '08a_*', '08b_*']),
+    ('Command line', ['09*']),
+    ('API reference', ['0[0-8]*']),
+    ('Internals: docs site and testing', ['*']),
+]
+
+def sidebar_section(rel: str) -> tuple[int, int, str]:
+    "Where the notebook `rel` (relative to `nbs/`) sits in the sidebar: (section, position of its glob, caption)."
+    for i, (caption, globs) in enumerate(SIDEBAR):
+        for j, glob in enumerate(globs):
+            if fnmatch.fnmatchcase(rel, glob): return i, j, caption
+    return len(SIDEBAR), 0, SIDEBAR[-1][0]
+
 def _order(rel: PurePosixPath) -> tuple:
-    return (len(rel.parts) > 1, rel.parts[:-1], rel.name != 'index.ipynb', rel.name)
+    if str(rel) == 'index.ipynb': return (-1, 0, '')
+    section, position, _ = sidebar_section(str(rel))
+    return (section, position, str(rel))
 
 def find_pages(nbs: Path) -> list[Page]:
-    "The notebooks under `nbs` in sidebar order: index, the top-level notebooks by name, then each sub-folder."
+    "The notebooks under `nbs` in sidebar order: index, then the sections of `SIDEBAR`."
     nbs = Path(nbs)
     rels = sorted((PurePosixPath(p.relative_to(nbs).as_posix()) for p in nbs.rglob('*.ipynb')), key=_order)
     pages = [Page(nbs / rel, str(rel), page_name(str(rel))) for rel in rels if not _skipped(rel)]
@@ -158,15 +181,13 @@ def cache_key(page: Page, root: Path, execute: bool, skip_flags: list[str]) -> s
 
 # %% ../../nbs/10c_docs_build.ipynb #02c584d0
 def toctree_cell(pages: list[Page]) -> dict:
-    "A markdown cell with hidden toctrees: top-level notebooks, then one per sub-folder, in `pages` order."
+    "A markdown cell with hidden toctrees, one per `SIDEBAR` section (its caption), listing `pages` in their order."
     groups: dict[str, list[str]] = {}
     for p in pages:
         if p.name == 'index': continue
-        folder = str(PurePosixPath(p.rel).parent)
-        groups.setdefault('' if folder == '.' else folder, []).append(p.name)
+        groups.setdefault(sidebar_section(p.rel)[2], []).append(p.name)
     blocks = []
-    for folder, names in groups.items():
-        caption = folder.replace('_', ' ').title() if folder else 'Library'
+    for caption, names in groups.items():
         blocks.append('```{toctree}\n:hidden:\n:caption: ' + caption + '\n\n' + '\n'.join(names) + '\n```')
     return {'cell_type': 'markdown', 'id': 'capskip-toctree', 'metadata': {}, 'source': '\n\n'.join(blocks)}
 
@@ -181,7 +202,7 @@ def sphinx_conf(settings: dict[str, str]) -> str:
         myst_enable_extensions=['dollarmath', 'amsmath', 'colon_fence'], myst_all_links_external=True,
         nb_execution_mode='off', nb_render_markdown_format='myst', nb_merge_streams=True, nb_ipywidgets_js={},
         mathjax_path='mathjax/tex-chtml.js', html_theme='furo', html_static_path=['_static'],
-        html_css_files=['capskip.css'], html_copy_source=False, html_show_sourcelink=False,
+        html_css_files=['capskip.css'], html_extra_path=['_extra'], html_copy_source=False, html_show_sourcelink=False,
         html_title=settings.get('title', ''), html_favicon='_static/favicon.svg',
         suppress_warnings=['myst.header', 'mystnb.unknown_mime_type'],
     )
@@ -192,7 +213,47 @@ def sphinx_conf(settings: dict[str, str]) -> str:
 _CSS = '''/* capskip docs: API entries from show_doc */
 .capskip-source { float: right; font-size: smaller; margin-left: 1em; }
 .cell_output .output.text_html { overflow-x: auto; }
+/* printed output wraps at the page's width instead of running 2000 px to the right */
+.cell_output pre { white-space: pre-wrap; overflow-wrap: anywhere; }
 '''
+
+def write_source_pages(package: Path, out: Path) -> int:
+    "Each `.py` file of `package` as a highlighted page `out/<package>/<path>.py.html` with line anchors `#L-N` (what `show_doc`'s source links point at); the count."
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+    n = 0
+    for f in sorted(Path(package).rglob('*.py')):
+        rel = f.relative_to(Path(package).parent).as_posix()
+        if '__pycache__' in rel: continue
+        dst = Path(out) / (rel + '.html')
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fmt = HtmlFormatter(full=True, linenos='inline', lineanchors='L', anchorlinenos=True, title=rel)
+        dst.write_text(highlight(f.read_text(encoding='utf-8'), PythonLexer(), fmt), encoding='utf-8')
+        n += 1
+    return n
+
+_re_page_link = re.compile(r'(\]\(|href=")([^()\s"#:]*\.html)#([\w.\-]+)(\)|")')
+
+def api_anchors(nb: dict) -> set[str]:
+    "The anchors of the API entries (`show_doc` outputs fixed by `fix_show_doc`) on one page."
+    return {a for c in nb.get('cells', []) for o in c.get('outputs', [])
+            for a in re.findall(r'class="capskip-api" id="([^"]+)"', cell_text({'source': o.get('data', {}).get('text/markdown', '')}))}
+
+def fallback_api_links(nb: dict, page: str, anchors: dict[str, set[str]]) -> dict:
+    "Links to `P.html#a.b` where page P has no entry `a.b` (a method documented with its class) point at `#a`, or at P."
+    def sub(m):
+        target, frag = posixpath.normpath(posixpath.join(posixpath.dirname(page), m.group(2)))[:-len('.html')], m.group(3)
+        have = anchors.get(target)
+        if have is None or frag in have or '.' not in frag: return m.group(0)
+        parent = frag.rsplit('.', 1)[0]
+        return m.group(1) + m.group(2) + ('#' + parent if parent in have else '') + m.group(4)
+    fix = lambda text: _re_page_link.sub(sub, text)
+    for cell in nb.get('cells', []):
+        if cell.get('cell_type') == 'markdown': cell['source'] = fix(cell_text(cell))
+        for out in cell.get('outputs', []):
+            if 'text/markdown' in out.get('data', {}): out['data']['text/markdown'] = fix(cell_text({'source': out['data']['text/markdown']}))
+    return nb
 _FAVICON = '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" fill="#1f6f8b"/></svg>'
 _ASSET_SUFFIXES = {'.png', '.jpg', '.jpeg', '.gif', '.svg', '.webp', '.csv', '.txt'}
 
@@ -206,9 +267,10 @@ def stage_sources(pages: list[Page], processed: dict[str, Path], src: Path, sett
     src.mkdir(parents=True)
     url = site_url(settings)
     links = {p.rel: p.name for p in pages} | {'__src__' + p.name: p.rel for p in pages}
+    fixed = {p.name: sphinx_ready(json.loads(processed[p.name].read_text(encoding='utf-8')), p.name, url, links)[0] for p in pages}
+    anchors = {name: api_anchors(nb) for name, nb in fixed.items()}
     for page in pages:
-        nb = json.loads(processed[page.name].read_text(encoding='utf-8'))
-        nb, fm = sphinx_ready(nb, page.name, url, links)
+        nb = fallback_api_links(fixed[page.name], page.name, anchors)
         if page.name == 'index': nb['cells'].append(toctree_cell(pages))
         out = src / (page.name + '.ipynb')
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +284,7 @@ def stage_sources(pages: list[Page], processed: dict[str, Path], src: Path, sett
     shutil.copytree(Path(assets) / 'mathjax', static / 'mathjax')
     (static / 'capskip.css').write_text(_CSS)
     (static / 'favicon.svg').write_text(_FAVICON)
+    write_source_pages(Path(nbs).parent / settings.get('lib_path', 'capskip'), src / '_extra' / SOURCE_DIR)
     (src / 'conf.py').write_text(sphinx_conf(settings))
 
 # %% ../../nbs/10c_docs_build.ipynb #3658fc05

@@ -22,7 +22,7 @@ __all__ = ['CHROMIUM', 'CHROMIUM_ENV', 'SKIP_BROWSER_ENV', 'CHROMIUM_PATHS', 'CH
            'site_pages', 'serve', 'public_api', 'find_chromium', 'SiteCheck', 'check_site']
 
 # %% ../../nbs/10b_docs_check.ipynb #f357b9dc
-_NOT_PAGES = ('_static', '_sources', '_images', '_build', '_assets', 'jupyter_execute')
+_NOT_PAGES = ('_static', '_sources', '_source', '_images', '_build', '_assets', 'jupyter_execute')   # _source: highlighted package files
 
 def site_pages(site: Path) -> list[str]:
     "Every HTML page of the site (paths relative to it), assets excluded."

@@ -10,9 +10,9 @@ import re
 from html import escape
 
 # %% auto #0
-__all__ = ['cell_text', 'split_title_cell', 'unhide_show_doc', 'frontmatter', 'title_cell', 'cell_options', 'option_tags',
-           'api_anchor', 'fix_show_doc', 'relative_url', 'localise_links', 'callouts_to_admonitions', 'clean_outputs',
-           'sphinx_ready']
+__all__ = ['SOURCE_DIR', 'cell_text', 'split_title_cell', 'unhide_show_doc', 'frontmatter', 'title_cell', 'cell_options',
+           'option_tags', 'api_anchor', 'relative_url', 'source_href', 'fix_show_doc', 'localise_links',
+           'callouts_to_admonitions', 'clean_outputs', 'sphinx_ready']
 
 # %% ../../nbs/10a_docs_fixes.ipynb #f835882e
 def cell_text(cell: dict) -> str:
@@ -101,19 +101,6 @@ def api_anchor(qualname: str) -> str:
     "The HTML anchor of an API entry, as nbdev's doc links spell it."
     return qualname.lower()
 
-def fix_show_doc(markdown: str) -> str:
-    "Drop the leading `---` of `show_doc` markdown, mark its heading as an API entry, put the source link under it."
-    markdown = re.sub(r'\A\s*---[ \t]*\n', '', markdown).lstrip('\n')
-    source = re.match(r'\[source\]\(([^()\s]+)\)[ \t]*\n', markdown)
-    if source: markdown = markdown[source.end():].lstrip('\n')
-    m = _re_heading.search(markdown)
-    if not m: return markdown
-    name = re.sub(r'[`*\\]', '', m.group(2)).strip()
-    tag = f'<a class="capskip-api" id="{escape(api_anchor(name))}" data-qualname="{escape(name)}"></a>'
-    if source: tag += f'<a class="capskip-source" href="{escape(source.group(1))}">source</a>'
-    return markdown[:m.end()] + '\n\n' + tag + '\n' + markdown[m.end():]
-
-# %% ../../nbs/10a_docs_fixes.ipynb #69fcaaa7
 def relative_url(target: str, page: str) -> str:
     "`target` (a site path like `tutorials/quickstart.html#x`) relative to the folder of `page` (a docname)."
     path, hash_, frag = target.partition('#')
@@ -121,6 +108,29 @@ def relative_url(target: str, page: str) -> str:
     rel = posixpath.relpath(path, posixpath.dirname(page) or '.')
     return rel + hash_ + frag
 
+SOURCE_DIR = '_source'     # the site's folder of highlighted package files (written by capskip._docs.build)
+
+def source_href(url: str, page: str = '') -> str:
+    "A `show_doc` source link (`../capskip/x.py#L12`, or the old `https://github.com/.../blob/main/capskip/x.py#L12`) as a link to the site's copy of the file, relative to `page`; other URLs unchanged."
+    path, _, frag = url.partition('#')
+    path = re.sub(r'^(\.\./)+', '', re.sub(r'^.*/blob/[^/]+/', '', path))
+    if not re.fullmatch(r'capskip/[\w/]+\.py', path): return url
+    line = frag[1:] if re.fullmatch(r'L\d+', frag) else ''
+    return relative_url(f'{SOURCE_DIR}/{path}.html' + (f'#L-{line}' if line else ''), page)
+
+def fix_show_doc(markdown: str, page: str = '') -> str:
+    "Drop the leading `---` of `show_doc` markdown, mark its heading as an API entry, put the source link (to the site's copy, see `source_href`) under it."
+    markdown = re.sub(r'\A\s*---[ \t]*\n', '', markdown).lstrip('\n')
+    source = re.match(r'\[source\]\(([^()\s]+)\)[ \t]*\n', markdown)
+    if source: markdown = markdown[source.end():].lstrip('\n')
+    m = _re_heading.search(markdown)
+    if not m: return markdown
+    name = re.sub(r'[`*\\]', '', m.group(2)).strip()
+    tag = f'<a class="capskip-api" id="{escape(api_anchor(name))}" data-qualname="{escape(name)}"></a>'
+    if source: tag += f'<a class="capskip-source" href="{escape(source_href(source.group(1), page))}">source</a>'
+    return markdown[:m.end()] + '\n\n' + tag + '\n' + markdown[m.end():]
+
+# %% ../../nbs/10a_docs_fixes.ipynb #69fcaaa7
 def localise_links(text: str, site_url: str, page: str, notebook_pages: dict[str, str] | None = None) -> str:
     "Make links to `site_url` relative to `page`, map `.ipynb` links to pages, drop Pandoc link attributes."
     text = re.sub(r'(\]\([^()\s]*\))\{[^{}\n]*\}', r'\1', text)
@@ -168,7 +178,7 @@ def clean_outputs(outputs: list[dict]) -> list[dict]:
 def _fix_markdown(text: str, site_url: str, page: str, notebook_pages: dict | None) -> str:
     return callouts_to_admonitions(localise_links(text, site_url, page, notebook_pages))
 
-def _fix_code_cell(cell: dict, fix_md) -> dict | None:
+def _fix_code_cell(cell: dict, fix_md, page: str = '') -> dict | None:
     code, options = cell_options(cell_text(cell))
     outputs = clean_outputs(cell.get('outputs', []))
     is_show_doc = bool(re.match(r'\s*show_doc\(', code))
@@ -176,7 +186,7 @@ def _fix_code_cell(cell: dict, fix_md) -> dict | None:
         md = out.get('data', {}).get('text/markdown')
         if md is None: continue
         md = fix_md(cell_text({'source': md}))
-        out['data'] = dict(out['data'], **{'text/markdown': fix_show_doc(md) if is_show_doc else md})
+        out['data'] = dict(out['data'], **{'text/markdown': fix_show_doc(md, page) if is_show_doc else md})
     tags = option_tags(options) + (['remove-input'] if is_show_doc else [])
     if not code.strip() and not outputs: return None
     meta = {k: v for k, v in cell.get('metadata', {}).items() if k not in ('language', 'tags')}
@@ -199,7 +209,7 @@ def sphinx_ready(nb: dict, page: str, site_url: str = '', notebook_pages: dict |
             if text.strip().startswith('<!-- WARNING: THIS FILE WAS AUTOGENERATED'): continue
             cells.append({**{k: v for k, v in cell.items() if k in _CELL_KEYS}, 'source': fix_md(text)})
         elif kind == 'code':
-            fixed = _fix_code_cell(cell, fix_md)
+            fixed = _fix_code_cell(cell, fix_md, page)
             if fixed: cells.append(fixed)
         else: cells.append({k: v for k, v in cell.items() if k in _CELL_KEYS})
     for j, cell in enumerate(cells): cell['id'] = cell.get('id') or f'cell-{j}'
