@@ -56,8 +56,7 @@ def fit(module, x, y, batch_size=64, **options):
     trainer = L.Trainer(max_steps=1, accelerator='cpu', devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[CAPSkipCallback()], **options)
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', module='lightning')                 # Lightning's own advice (num_workers, ...)
-        warnings.filterwarnings('ignore', category=UserWarning)
+        warnings.filterwarnings('ignore', category=UserWarning)               # Lightning's advice (num_workers, ...)
         trainer.fit(module, data)
     return trainer
 
@@ -76,7 +75,7 @@ def assert_really_skipped(module, batch):
     kept = [int((applied > 0).sum()) for _, _, applied in module.seen]
     assert all(0 < k < batch for k in kept), kept                          # rows were dropped, some kept
     assert [type(t).__name__ for t in cached_traces(module.model)] == ['Traced']   # reuse traced: no fallback reason
-    assert type(module.skip.engine.executor).__name__ and module.skip.engine.executor.mode == 'reuse'
+    assert module.skip.engine.executor.mode == 'reuse'
 
 
 def test_one_step_is_autograd_of_the_kept_rows_and_is_logged(digits):
@@ -125,8 +124,8 @@ def test_bf16_mixed_precision(digits):
     got, ref = module.grads, reference(base, module.seen, 64, autocast=True)
     fp32 = reference(base, module.seen, 64)
     worst, overall = grad_errors(got, ref)
-    assert worst <= 1e-2 and overall <= 1e-2, (worst, overall)              # bf16 forward on both sides
-    assert grad_errors(got, fp32)[1] > 0, 'autocast was not in effect'
+    assert worst <= 1e-3 and overall <= 1e-3, (worst, overall)              # bf16 forward on both sides (0.0 measured)
+    assert grad_errors(got, fp32)[1] > 3e-3, 'autocast was not in effect'
     assert_really_skipped(module, 64)
 
 
