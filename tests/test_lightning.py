@@ -129,18 +129,19 @@ def test_bf16_mixed_precision(digits):
     assert_really_skipped(module, 64)
 
 
-def test_checkpoint_keeps_each_capskips_generator(digits):
+def test_checkpoint_keeps_each_capskips_generator(digits, tmp_path):
     base, x, y = digits
     module = DigitsModule(copy.deepcopy(base), reweight='rw')
-    module.skip.loss(module.skip(x), y)                                     # the generator exists and has drawn
-    callback, checkpoint = CAPSkipCallback(), {}
-    callback.on_save_checkpoint(None, module, checkpoint)
+    trainer = fit(module, x, y)                                             # one step: the generator has drawn
+    trainer.save_checkpoint(tmp_path / 'last.ckpt')
     saved = module.skip.state_dict()['generator'].clone()
+    stored = torch.load(tmp_path / 'last.ckpt', weights_only=True)['capskip']
+    assert set(stored) == {'skip'} and torch.equal(stored['skip']['generator'], saved)
     module.skip.loss(module.skip(x), y)                                     # draws again: the state moves on
     assert not torch.equal(module.skip.state_dict()['generator'], saved)
-    callback.on_load_checkpoint(None, module, checkpoint)
+    CAPSkipCallback().on_load_checkpoint(trainer, module, torch.load(tmp_path / 'last.ckpt', weights_only=True))
     assert torch.equal(module.skip.state_dict()['generator'], saved)
-    assert set(checkpoint['capskip']) == {'skip'} and set(find_skips(module)) == {'skip'}
+    assert set(find_skips(module)) == {'skip'}
 
 
 def test_usage_errors_name_the_fix(digits):

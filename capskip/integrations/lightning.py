@@ -24,13 +24,14 @@ def step_values(stats: StepStats) -> dict[str, Tensor]:
     "The step's kept fraction and realised distortion as 0-d tensors on the device (logging them reads nothing back yet)."
     return {'kept_fraction': stats.kept.float() / stats.forwarded, 'distortion': stats.distortion.float()}
 
-# %% ../../nbs/12a_lightning.ipynb #249756f5
+# %% ../../nbs/12a_lightning.ipynb #dc281ad0
 class CAPSkipCallback(pl.Callback):
     "Logs each `CAPSkip` of the LightningModule (kept fraction, distortion), checkpoints its state, refuses `skip.step` under automatic optimisation."
     def __init__(self, prefix: str = 'capskip', on_step: bool = True, on_epoch: bool = True, prog_bar: bool = False,
                  sync_dist: bool = False):
         self.prefix, self.log_options = prefix, dict(on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, sync_dist=sync_dist)
         self._logged: dict[str, StepStats] = {}
+        self._skips: dict[str, CAPSkip] = {}            # found once per fit (at its start), not at every step
 
     def skips(self, pl_module: pl.LightningModule) -> dict[str, CAPSkip]:
         "The module's `CAPSkip`s; a one-line error naming the fix when there is none."
@@ -42,12 +43,12 @@ class CAPSkipCallback(pl.Callback):
         return skips
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.skips(pl_module)
+        self._skips = self.skips(pl_module)
 
     def check_loss_api(self, pl_module: pl.LightningModule) -> None:
         "Refuse `skip.step` in `training_step` under automatic optimisation (its `kept` is an int, `skip.loss`'s a tensor)."
         if not pl_module.automatic_optimization: return
-        for name, skip in find_skips(pl_module).items():
+        for name, skip in (self._skips or find_skips(pl_module)).items():
             if skip.last is not None and not isinstance(skip.last.kept, Tensor):
                 raise RuntimeError(f'{name}.step(x, y) back-propagates inside training_step and Lightning\'s automatic '
                                    f'optimisation then zeroes those gradients: return self.{name}.loss(self.{name}(x), y) instead')
@@ -57,7 +58,7 @@ class CAPSkipCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         self.check_loss_api(pl_module)                   # also when training_step returned None (no backward ran)
-        skips = self.skips(pl_module)
+        skips = self._skips or self.skips(pl_module)
         for name, skip in skips.items():
             stats = skip.last
             if stats is None or self._logged.get(name) is stats: continue      # this CAPSkip did not run this step
