@@ -66,8 +66,8 @@ SIDEBAR = [   # (caption, notebook globs relative to nbs/): the sidebar's sectio
     ('Experiments', ['03_runs.ipynb', '05_train.ipynb', '05r_reproduce.ipynb', '06_analysis.ipynb', '07_report.ipynb',
                      '07d_demo.ipynb', '08_bench.ipynb', '08a_*', '08b_*']),
     ('Command line', ['09*']),
-    ('API reference', ['0[0-8]*']),
-    ('Internals: docs site and testing', ['*']),
+    ('API reference', ['0[0-8]*', '1[2-9]*', '[2-9]*']),
+    ('Internals: docs site and testing', ['10*', '11*', '*']),
 ]
 
 def sidebar_section(rel: str) -> tuple[int, int, str]:
