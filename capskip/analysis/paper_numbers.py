@@ -76,7 +76,7 @@ PAPER_PAIRINGS: dict[str, list] = {
 }
 
 # %% ../../nbs/07g_paper_numbers.ipynb #ac43708e
-PAPER_TABLE1_PHASES = {   # Table 1 top: ms per step on an RTX 5090, epoch-60 state, k ≈ 0.69; step totals as SPEC §6 gives them
+PAPER_TABLE1_PHASES = {   # Table 1 top: ms per step on an RTX 5090, epoch-60 state, k ≈ 0.69; step totals: the sums of its phases
     'dense': {'forward': 2.77, 'selector': None, 'gather': None, 'backward': 6.97, 'optimizer': 0.22, 'step': 9.96},
     'reuse': {'forward': 2.70, 'selector': 0.12, 'gather': 0.60, 'backward': 4.66, 'optimizer': 0.22, 'step': 8.30},
 }

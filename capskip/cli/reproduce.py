@@ -114,7 +114,7 @@ def reproduce_main(argv: list[str] | None = None) -> int:
         named = {'data_root': ns.data_root, 'pretrained': ns.pretrained, 'device': device}
         jobs = protocol_jobs(protocols, tiny=ns.tiny)
         configs = {j: job_config(j, named, overrides, tiny=ns.tiny) for j in jobs}      # every --set checked before any work
-        check_needs(jobs, ns.data_root, ns.pretrained, ns.tiny)
+        for missing in check_needs(jobs, ns.data_root, ns.pretrained, ns.tiny, dry_run=ns.dry_run): print(f'capskip reproduce: note: {missing} (a real run needs it; --dry-run lists and estimates only)', file=sys.stderr)
         check_out_dir(out)
     except ValueError as e:
         print(f'capskip reproduce: error: {e}', file=sys.stderr); return 2

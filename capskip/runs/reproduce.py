@@ -95,7 +95,10 @@ for _p in [
               cell(IB, ['dense'], [120, 200], label='dense at the InfoBatch setting (matched HP)'),
               cell(SCRATCH, ['dense'], [120, 200], label='dense at lr 0.1')),
              (2, 3, 4, 5, 6), CIFAR_GPU,
-             notes=('one machine for every seed: the paper\'s first experiment ran one machine per seed, its replication one machine',)),
+             notes=('one machine for every seed: the paper\'s first experiment ran one machine per seed, its replication one machine',
+                    'the "+ rw second half" row runs rw at the recipe\'s b = 0.09 with p = 0.5 (capskip.policies.reweight): '
+                    'the paper does not state that row\'s b, and its removal (0.372, above the plain drop row\'s 0.367, '
+                    'where rw at the same b removes less) points to a larger one, e.g. §4.5\'s b = 1')),
     Protocol('table6', 'Table 6: kept fraction vs budget (left); re-weighting at b = 1 (right)', 'paper §4.5, Table 6',
              _budget_cells + (cell(B1, B1_ARMS, [200]), cell(B1, ['capskip', 'capskip_rw'], [120]),
                               cell(B1, ['capskip'], [200], folder='no_warmup',
@@ -181,24 +184,32 @@ def protocol_jobs(protocols: list[Protocol], tiny: bool = False) -> list[Job]:
     return [j for s in order for j in jobs.values() if j.seed == s]
 
 # %% ../../nbs/05r_reproduce.ipynb #c1e062f8
-def check_needs(jobs: list[Job], data_root: str | None = None, pretrained: str | None = None, tiny: bool = False) -> None:
-    "Raise a `ValueError` naming the fix if the jobs need CIFAR-100 or pretrained weights that are not there."
-    if tiny: return
+def check_needs(jobs: list[Job], data_root: str | None = None, pretrained: str | None = None, tiny: bool = False,
+                dry_run: bool = False) -> list[str]:
+    """Raise a `ValueError` naming the fix if the jobs need CIFAR-100 or pretrained weights that are not there.
+
+    `dry_run`: return what is missing (one line each) instead, so that a grid can be listed and estimated before the
+    data is fetched."""
+    missing = [] if tiny else list(_missing_inputs(jobs, data_root, pretrained))
+    if missing and not dry_run: raise ValueError(missing[0])
+    return missing
+
+def _missing_inputs(jobs: list[Job], data_root: str | None, pretrained: str | None):
     recipes = {j.recipe for j in jobs}
     if any(get_recipe(r).data == 'cifar100' for r in recipes):
+        folder = Path(data_root).expanduser() / 'cifar-100-python' if data_root else None
         if not data_root:
-            raise ValueError('these tables train on CIFAR-100: pass --data-root DIR (the folder holding cifar-100-python/), '
-                             'or --tiny for the same pipeline on the embedded digits data')
-        folder = Path(data_root).expanduser() / 'cifar-100-python'
-        if not folder.is_dir():
-            raise ValueError(f'{folder} does not exist: --data-root must hold cifar-100-python/ (the official archive, '
-                             'extracted; `capskip train --download` fetches it on a machine with internet)')
+            yield ('these tables train on CIFAR-100: pass --data-root DIR (the folder holding cifar-100-python/), '
+                   'or --tiny for the same pipeline on the embedded digits data')
+        elif not folder.is_dir():
+            yield (f'{folder} does not exist: --data-root must hold cifar-100-python/ (the official archive '
+                   'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, extracted there)')
     if any(get_recipe(r).requires_pretrained for r in recipes):
         if not pretrained:
-            raise ValueError('the fine-tuning tables start from ImageNet-1k DeiT-S/16 weights: pass --pretrained FILE '
-                             '(a local state-dict file, e.g. deit_small_patch16_224.pth)')
-        if not Path(pretrained).expanduser().is_file():
-            raise ValueError(f'--pretrained {pretrained}: no such file')
+            yield ('the fine-tuning tables start from ImageNet-1k DeiT-S/16 weights: pass --pretrained FILE '
+                   '(a local state-dict file, e.g. deit_small_patch16_224.pth)')
+        elif not Path(pretrained).expanduser().is_file():
+            yield f'--pretrained {pretrained}: no such file'
 
 def _job_inputs(job: Job, named: dict | None, overrides: dict | None, tiny: bool) -> tuple[dict, dict]:
     "The job's named fields (the weights file only where the recipe fine-tunes; no files under --tiny) and overrides."
