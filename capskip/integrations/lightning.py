@@ -24,7 +24,7 @@ def step_values(stats: StepStats) -> dict[str, Tensor]:
     "The step's kept fraction and realised distortion as 0-d tensors on the device (logging them reads nothing back yet)."
     return {'kept_fraction': stats.kept.float() / stats.forwarded, 'distortion': stats.distortion.float()}
 
-# %% ../../nbs/12a_lightning.ipynb #dc281ad0
+# %% ../../nbs/12a_lightning.ipynb #ecb4e1e4
 class CAPSkipCallback(pl.Callback):
     "Logs each `CAPSkip` of the LightningModule (kept fraction, distortion), checkpoints its state, refuses `skip.step` under automatic optimisation."
     def __init__(self, prefix: str = 'capskip', on_step: bool = True, on_epoch: bool = True, prog_bar: bool = False,
