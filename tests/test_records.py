@@ -259,3 +259,11 @@ def test_report_usage_errors_are_one_line(tmp_path, capsys):
         assert report_main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count('\n') == 1 and 'Traceback' not in err, err
+
+
+def test_arms_that_differ_in_more_than_the_arm_are_noted(tmp_path):
+    for s in (1, 2): _write_run(tmp_path, 'dense', s); _write_run(tmp_path, 'capskip', s, weight_decay=0.0)
+    report = build_report(tmp_path)
+    notes = [p for w, p in report.notes.items if w == 'digits']
+    assert len(notes) == 1 and 'weight_decay' in notes[0] and 'mix that setting with the arm' in notes[0], report.notes.items
+    assert sorted(report.groups[('', 'digits')].runs('capskip', 2)) == [1, 2]    # listed where it is compared, not dropped

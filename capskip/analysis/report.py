@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 
 from .figures import accuracy_time_figure, epoch_curves_figure, kept_budget_figure, step_phase_figure
 from .pairs import Bar, pairing_table
-from .results import Notes, Table, diverged_table, index_runs, load_runs
+from .results import Notes, Table, arm_setting_notes, diverged_table, index_runs, load_runs
 from .tables import (bench_table, composition_table, controls_table, equal_epoch_table,
                                      kept_vs_budget_table, runs_table, time_matched_table, tta_table)
 from ..runs.runio import atomic_write_bytes
@@ -54,6 +54,7 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
             raise ValueError(f'--target {t!r}: a time-to-accuracy target is an accuracy in percent in (0, 100], e.g. --target 75')
     runs = load_runs(run_dir)
     notes = Notes()
+    arm_setting_notes(runs, notes)                  # arms of one recipe folder that differ in more than the arm
     if metric == 'val_acc': no_validation_note(runs, notes)
     groups = index_runs(runs, metric, notes)
     sections = {}

@@ -18,11 +18,11 @@ from ..core import SEED_LIMIT
 from ..runs.runio import MAX_EPOCHS, config_hash, config_identity
 
 # %% auto #0
-__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'LIMITS', 'PERCENT', 'Run',
-           'value_problem', 'fields_problem', 'read_run', 'record_problem', 'config_difference', 'check_pooling',
+__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'LIMITS', 'PERCENT', 'ARM_FIELDS',
+           'Run', 'value_problem', 'fields_problem', 'read_run', 'record_problem', 'config_difference', 'check_pooling',
            'load_runs', 'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget', 'Notes', 'where', 'pair_seeds',
-           'compare', 'Table', 'comparison_fields', 'mean_present', 'format_value', 'ReportData', 'index_runs',
-           'diverged_table']
+           'compare', 'arm_setting_notes', 'Table', 'comparison_fields', 'mean_present', 'format_value', 'ReportData',
+           'index_runs', 'diverged_table']
 
 # %% ../../nbs/07a_results.ipynb #ba5cba1f
 @dataclass
@@ -334,6 +334,25 @@ def compare(kind: str, arm: dict, ref: dict, notes: Notes, context: str) -> Comp
     if c.lo is None: notes.add(context, f'{NO_SPREAD}: every seed pair gave {c.estimate:.6g}, so no interval can be formed')
     elif c.caveat: notes.add(context, f'{c.caveat}: the interval has 1 degree of freedom (t = 12.7); a third seed narrows it')
     return c
+
+# %% ../../nbs/07a_results.ipynb #a22ce006
+ARM_FIELDS = ('arm', 'policy_kw', 'epochs', 'mode')   # what legitimately differs between the arms of one recipe folder
+
+def arm_setting_notes(runs: list[Run], notes: Notes) -> None:
+    """A note per (variant, recipe) group whose complete runs differ, across arms, in a field other than `ARM_FIELDS`
+    and the seed (say dense at `--lr 0.1` and CAPSkip at `--lr 0.5`): their comparisons would mix a setting with the arm."""
+    groups = {}
+    for r in runs:
+        if r.complete and r.config:
+            ident = {k: v for k, v in config_identity(r.config).items() if k not in ARM_FIELDS}
+            groups.setdefault(r.group, {}).setdefault(config_hash(ident), (r, ident))
+    for group, seen in sorted(groups.items()):
+        if len(seen) < 2: continue
+        (a, ia), *others = seen.values()
+        for b, ib in others:
+            notes.add('/'.join(p for p in group if p),
+                      f'arms differ in more than the arm: {a.arm} seed{a.seed} vs {b.arm} seed{b.seed} in '
+                      f'{config_difference(ia, ib)}; comparisons between them mix that setting with the arm')
 
 # %% ../../nbs/07a_results.ipynb #7a637af4
 @dataclass
