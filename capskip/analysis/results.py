@@ -90,9 +90,8 @@ def value_problem(key: str, value, kind: str) -> str | None:
     if kind in ('str', 'bool', 'dict', 'int'):
         ok = {'str': isinstance(value, str), 'bool': isinstance(value, bool), 'dict': isinstance(value, dict),
               'int': isinstance(value, int) and not isinstance(value, bool)}[kind]
-        if not ok: return f'{key} = {_shown(value)} is not {"an" if kind == "int" else "a"} {kind}'
-        if kind == 'int' and abs(value) >= LIMITS['int']: return f'{key} = {_shown(value)} is outside [-2**63, 2**63)'
-        return None
+        if ok and kind == 'int' and abs(value) >= LIMITS['int']: return f'{key} = {_shown(value)} is outside [-2**63, 2**63)'
+        return None if ok else f'{key} = {_shown(value)} is not {"an" if kind == "int" else "a"} {kind}'
     if not isinstance(value, (int, float)) or isinstance(value, bool): return f'{key} = {_shown(value)} is not a number'
     if isinstance(value, float) and not math.isfinite(value): return f'{key} = {value!r} is not finite'
     if kind in ('seconds', 'count', 'number') and abs(value) > LIMITS[kind]:
@@ -225,11 +224,8 @@ def record_problem(run: Run, history_problem: str | None = None) -> str | None:
             'checkpoint.pt')
 
 def _flat(d: dict, prefix: str = '') -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v: out.update(_flat(v, f'{prefix}{k}.'))
-        else: out[f'{prefix}{k}'] = v
-    return out
+    return {key: value for k, v in d.items()
+            for key, value in (_flat(v, f'{prefix}{k}.') if isinstance(v, dict) and v else {f'{prefix}{k}': v}).items()}
 
 def config_difference(a: dict, b: dict) -> str:
     "The fields (up to 3, dotted) in which two configs' identities differ: `field (a vs b)`."
@@ -342,12 +338,10 @@ def arm_setting_notes(runs: list[Run], notes: Notes) -> None:
     """A note per (variant, recipe) group whose complete runs differ, across arms, in a field other than `ARM_FIELDS`
     and the seed (say dense at `--lr 0.1` and CAPSkip at `--lr 0.5`): their comparisons would mix a setting with the arm."""
     groups = {}
-    for r in runs:
-        if r.complete and r.config:
-            ident = {k: v for k, v in config_identity(r.config).items() if k not in ARM_FIELDS}
-            groups.setdefault(r.group, {}).setdefault(config_hash(ident), (r, ident))
+    for r in (r for r in runs if r.complete and r.config):
+        ident = {k: v for k, v in config_identity(r.config).items() if k not in ARM_FIELDS}
+        groups.setdefault(r.group, {}).setdefault(config_hash(ident), (r, ident))
     for group, seen in sorted(groups.items()):
-        if len(seen) < 2: continue
         (a, ia), *others = seen.values()
         for b, ib in others:
             notes.add('/'.join(p for p in group if p),

@@ -26,6 +26,7 @@ for _name, _target, _summary in [
     ('recipes', 'capskip.cli.runs:recipes_main', 'List the experiment recipes and the arms (policies) they accept.'),
     ('report', 'capskip.cli.runs:report_main', 'Paired-seed tables and figures from a results folder.'),
     ('reproduce', 'capskip.cli.reproduce:reproduce_main', "Run a paper table's exact grid (resumable; --tiny on a CPU) and write it next to the paper's numbers."),
+    ('data', 'capskip.cli.data:data_main', 'CIFAR-100 for the paper\'s recipes: where its files go, fetch them, verify their checksums.'),
     ('docs', 'capskip.cli.tools:docs_main', 'Build the documentation site offline from nbs/ into docs/.'),
     ('readme', 'capskip.cli.tools:readme_main', 'Regenerate README.md from nbs/index.ipynb (or --check that they agree).'),
 ]: COMMANDS.add(_name, _target, summary=_summary)

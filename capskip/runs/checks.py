@@ -5,6 +5,7 @@
 # %% ../../nbs/05h_checks.ipynb #db700c52
 from __future__ import annotations
 
+import hashlib
 import pickle
 import typing
 from pathlib import Path
@@ -15,8 +16,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['CIFAR_HELP', 'NUMPY_PICKLE_GLOBALS', 'check_batches', 'ArrayUnpickler', 'read_cifar_pickle', 'check_cifar_split',
-           'coerce_field']
+__all__ = ['CIFAR_HELP', 'NUMPY_PICKLE_GLOBALS', 'CIFAR100_URL', 'CIFAR100_MD5', 'CIFAR100_ARCHIVE_MD5', 'check_batches',
+           'ArrayUnpickler', 'read_cifar_pickle', 'check_cifar_split', 'file_md5', 'verify_cifar100', 'coerce_field']
 
 # %% ../../nbs/05h_checks.ipynb #418c6c77
 def check_batches(batches: Sequence[Tensor], n_rows: int) -> list[Tensor]:
@@ -32,9 +33,10 @@ def check_batches(batches: Sequence[Tensor], n_rows: int) -> list[Tensor]:
     return out
 
 # %% ../../nbs/05h_checks.ipynb #fcd48e0e
-CIFAR_HELP = ("Get CIFAR-100 with `--download` (or `cifar100_splits(root, download=True)`) on a machine with "
-              "internet, or download https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz and extract it "
-              "so that {root}/cifar-100-python/ holds the files `train`, `test` and `meta`.")
+CIFAR_HELP = ("Get CIFAR-100 with `capskip data fetch --data-root {root}` (or a training command's `--download`) on a "
+              "machine with internet, or download "
+              "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz and extract it so that {root}/cifar-100-python/ "
+              "holds the files `train`, `test` and `meta`; `capskip data verify --data-root {root}` checks them.")
 
 NUMPY_PICKLE_GLOBALS = {('numpy', 'ndarray'), ('numpy', 'dtype'),
                         ('numpy.core.multiarray', '_reconstruct'), ('numpy._core.multiarray', '_reconstruct'),
@@ -78,6 +80,30 @@ def check_cifar_split(entry: dict, path: Path, root: Path) -> tuple[np.ndarray, 
             problem = "'fine_labels' must be integers in [0, 100)"
     if problem: raise ValueError(f"CIFAR-100 file {path} is malformed: {problem}. " + CIFAR_HELP.format(root=root))
     return data, labels
+
+# %% ../../nbs/05h_checks.ipynb #a88ce002
+CIFAR100_URL = 'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz'
+CIFAR100_MD5 = {'train': '16019d7e3df5f24257cddd939b257f8d', 'test': 'f0ef6b0ae62326f3e7ffdfab6717acfc',
+                'meta': '7973b15100ade9c7d40fb424638fde48'}   # the official archive's files (torchvision checks the same)
+CIFAR100_ARCHIVE_MD5 = 'eb9058c3a382ffc7106e4002c42a8d85'       # cifar-100-python.tar.gz itself
+
+def file_md5(path: Path, chunk: int = 1 << 20) -> str:
+    "The MD5 hex digest of a file, read in chunks."
+    h = hashlib.md5()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(chunk), b''): h.update(block)
+    return h.hexdigest()
+
+def verify_cifar100(root: str | Path) -> dict[str, str]:
+    "`{file: 'ok' | why not}` for `root/cifar-100-python/{train,test,meta}` against the official MD5s."
+    folder, out = Path(root).expanduser() / 'cifar-100-python', {}
+    for name, want in CIFAR100_MD5.items():
+        path = folder / name
+        if not path.is_file(): out[name] = f'missing: {path}'; continue
+        try: got = file_md5(path)
+        except OSError as e: out[name] = f'unreadable: {path} ({e.strerror or e})'; continue
+        out[name] = 'ok' if got == want else f'md5 {got}, expected {want} (not the official file)'
+    return out
 
 # %% ../../nbs/05h_checks.ipynb #3f5ec2ad
 def coerce_field(key: str, value, kind):
