@@ -209,3 +209,17 @@ def test_select_demo_budget_default_is_the_package_constant():
     from capskip.core import DEFAULT_BUDGET
     budget = next(a for a in parsers()['capskip select-demo']._actions if '--budget' in a.option_strings)
     assert budget.default == DEFAULT_BUDGET
+
+
+@pytest.mark.parametrize('words', [['train', '--help'], ['sweep', '--no-such-flag'], ['demo', '--help']], ids=' '.join)
+def test_a_timed_command_from_the_shell_answers_before_torch(words):
+    """A timed command re-executes itself with the allocator settings before parsing (capskip.cli.main): that step must
+    not import torch either. PYTHONPROFILEIMPORTTIME is inherited by the re-executed process, so both report imports."""
+    from capskip.core import TIMING_ALLOCATOR
+    env = {k: v for k, v in os.environ.items() if k not in TIMING_ALLOCATOR and k != 'CAPSKIP_NO_ALLOCATOR_ENV'}
+    out = subprocess.run([sys.executable, '-m', 'capskip', *words], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**env, 'PYTHONPROFILEIMPORTTIME': '1'})
+    imported = [l.rsplit('|', 1)[-1].strip() for l in out.stderr.splitlines() if l.startswith('import time:')]
+    assert len(imported) > 20 and 'capskip.cli' in imported, out.stderr[-500:]
+    assert out.returncode == (0 if '--help' in words else 2)
+    assert 'torch' not in imported, [m for m in imported if m.startswith('torch')][:5]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .dispatch import dispatch
+from .dispatch import dispatch, literal_constant
 from ..registry import Registry
 
 # %% auto #0
@@ -38,7 +38,7 @@ def allocator_env(environ: dict, command: str | None, platform: str = sys.platfo
     "The environment to re-execute a timed command with, or None when it is already set (or not applicable)."
     if command not in TIMED_COMMANDS or not platform.startswith('linux') or environ.get('CAPSKIP_NO_ALLOCATOR_ENV'):
         return None
-    from capskip.core import TIMING_ALLOCATOR   # imports torch: only for a timed command, never for `--help`
+    TIMING_ALLOCATOR = literal_constant('capskip.core', 'TIMING_ALLOCATOR')   # read from the source: no torch before the re-execution
     if all(environ.get(k) == v for k, v in TIMING_ALLOCATOR.items()): return None
     return {**environ, **TIMING_ALLOCATOR}
 

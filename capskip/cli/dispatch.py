@@ -33,6 +33,19 @@ def dispatch(table: Registry, prog: str, argv: list[str], description: str) -> i
     return int(resolve(table[ns.command])(ns.args) or 0)
 
 # %% ../../nbs/09_cli_dispatch.ipynb #b1c2d3e5
+_CONVERSIONS = {'str': str, 'int': int, 'float': float}
+
+def _literal(node):
+    "A literal, or an expression of literals, arithmetic and `str`/`int`/`float` calls (`str(64 << 30)`), evaluated without names."
+    import ast
+    allowed = (ast.Constant, ast.Dict, ast.List, ast.Tuple, ast.Set, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop,
+               ast.Call, ast.Name, ast.Load)
+    for n in ast.walk(node):
+        if not isinstance(n, allowed) or (isinstance(n, ast.Name) and n.id not in _CONVERSIONS) or \
+                (isinstance(n, ast.Call) and (n.keywords or not isinstance(n.func, ast.Name))):
+            raise ValueError(f'not a literal expression: {ast.unparse(node)[:80]}')
+    return eval(compile(ast.Expression(node), '<literal>', 'eval'), {'__builtins__': {}, **_CONVERSIONS})
+
 def literal_constant(module: str, name: str):
     "The value of the top-level assignment `name = <literal>` in `module`'s source file, read without importing `module`."
     import ast
@@ -43,5 +56,5 @@ def literal_constant(module: str, name: str):
     for node in ast.parse(Path(spec.origin).read_text(encoding='utf-8')).body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
         if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
-            return ast.literal_eval(node.value)
+            return _literal(node.value)
     raise LookupError(f'{module} has no top-level literal assignment to {name}')
