@@ -18,6 +18,8 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 docs_requirements = shlex.split(cfg.get('docs_requirements', ''))
+# framework integrations (capskip.integrations): optional for users, installed for the tests
+integrations = {name: shlex.split(cfg.get(f'{name}_requirements', '')) for name in ('lightning', 'accelerate')}
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 console_scripts = cfg.get('console_scripts', '').split()
@@ -35,7 +37,8 @@ setuptools.setup(
     include_package_data=True,
     package_data={'capskip': ['data/*']},
     install_requires=requirements,
-    extras_require={'dev': dev_requirements + docs_requirements, 'docs': docs_requirements},
+    extras_require={'dev': dev_requirements + docs_requirements + sum(integrations.values(), []), 'docs': docs_requirements,
+                    **integrations},
     dependency_links=cfg.get('dep_links', '').split(),
     python_requires='>=' + cfg['min_python'],
     long_description=open('README.md', encoding='utf-8').read(),

@@ -38,9 +38,9 @@ WORKER = textwrap.dedent('''
         return ref
 
     res = {}
-    # 1) CAPSkip on the DDP-wrapped model
+    # 1) CAPSkip on the DDP-wrapped model, its gradients in several buckets (dynamo would split the trace at them)
     model = copy.deepcopy(base)
-    skip = capskip.CAPSkip(DDP(model), budget=0.3, mode='reuse')
+    skip = capskip.CAPSkip(DDP(model, bucket_cap_mb=0.005), budget=0.3, mode='reuse')
     skip.loss(skip(x), y).backward()
     res['wrapped'] = (grads(model), reference([(x, y, skip.last.applied)]), int(skip.last.kept),
                       [type(t).__name__ for t in cached_traces(model)])

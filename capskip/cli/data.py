@@ -9,8 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..runs.checks import CIFAR100_ARCHIVE_MD5, CIFAR100_MD5, CIFAR100_URL, verify_cifar100
-
 # %% auto #0
 __all__ = ['data_parser', 'where_text', 'verify_text', 'data_main']
 
@@ -25,6 +23,7 @@ def data_parser() -> argparse.ArgumentParser:
 
 def where_text(root: str | Path) -> str:
     "Where the CIFAR-100 files must go, where they come from, and their checksums."
+    from capskip.runs.checks import CIFAR100_ARCHIVE_MD5, CIFAR100_MD5, CIFAR100_URL   # after parsing: torch-free --help
     folder = Path(root).expanduser() / 'cifar-100-python'
     return '\n'.join([f'CIFAR-100 (the paper\'s data) goes in {folder}/:'] +
                      [f'  {folder / n}   md5 {m}' for n, m in CIFAR100_MD5.items()] +
@@ -33,12 +32,14 @@ def where_text(root: str | Path) -> str:
 
 def verify_text(root: str | Path) -> tuple[bool, str]:
     "(all files official, one line per file)."
+    from capskip.runs.checks import verify_cifar100
     checked = verify_cifar100(root)
     return all(v == 'ok' for v in checked.values()), '\n'.join(f'{n}: {v}' for n, v in checked.items())
 
 def data_main(argv: list[str] | None = None) -> int:
     "`capskip data where|fetch|verify [--data-root D]`"
     ns = data_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from capskip.runs.checks import CIFAR100_URL                  # imported after parsing: --help stays torch-free
     if ns.action == 'where':
         print(where_text(ns.data_root)); return 0
     if ns.action == 'fetch':

@@ -103,8 +103,27 @@ def _step_parser() -> argparse.ArgumentParser:
     p.add_argument('--json', default=None, help='also write the rows to this JSON file')
     p.add_argument('--record', default=None, metavar='PATH',
                    help='also write a recorded run (command, machine, load average, settings, rows) for docs pages to show')
+    p.add_argument('--ddp', type=int, default=0, metavar='N',
+                   help='instead: N processes under torch DistributedDataParallel (gloo on cpu, nccl on cuda): dense, reforward '
+                   'and reuse as ratios to DDP dense, and the share of the all-reduce hidden behind the backward; --batch is '
+                   'rows per process (default 0: off)')
     p.add_argument('--phase', default='all', choices=['all', 'time', 'memory'], help=argparse.SUPPRESS)
     return p
+
+def _bench_ddp(p: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    "`capskip bench step --ddp N`: the step under torch's DistributedDataParallel (`capskip.bench.ddp`)."
+    from capskip.bench.ddp import DDPBench, format_ddp_table, run_ddp_bench
+    from capskip.bench.step import machine_name, parse_keeps
+    try:
+        bench = DDPBench(model=ns.model, world=ns.ddp, batch=ns.batch, keeps=tuple(parse_keeps(ns.keep)), repeats=ns.repeats,
+                         img=ns.img, num_classes=ns.num_classes, seed=ns.seed, device=ns.device)
+        print(f'capskip bench step --ddp {ns.ddp}  machine: {machine_name(ns.device)}  load average {os.getloadavg()[0]:.2f}',
+              flush=True)
+        rows = run_ddp_bench(bench)
+    except ValueError as err: print(f'capskip bench step: {err}', file=sys.stderr); return 2
+    print(format_ddp_table(rows, bench))
+    if ns.json: Path(ns.json).write_text(json.dumps(rows, indent=1) + '\n')
+    return 0
 
 def bench_step_main(argv: list[str] | None = None) -> int:
     "`capskip bench step [--model ...] [--batch 128] [--keep 0.35,0.69] [--device cpu|cuda] [--repeats N]`"
@@ -112,6 +131,8 @@ def bench_step_main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(list(argv or []))
     if ns.batch < 2: p.error(f'--batch must be >= 2, got {ns.batch}')
     if ns.repeats < 1 or ns.warmup < 0: p.error('--repeats must be >= 1 and --warmup >= 0')
+    if ns.ddp == 1 or ns.ddp < 0: p.error(f'--ddp needs at least 2 processes, got {ns.ddp}')
+    if ns.ddp: return _bench_ddp(p, ns)
     import torch                                      # the benchmarks import torch (after parsing); docs and readme do not
     from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
                                     measure, parse_keeps, record, run_phase)

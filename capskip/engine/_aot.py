@@ -97,7 +97,9 @@ def _capture(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> tuple:
     torch._dynamo.mark_dynamic(xc, 0)
     compiled = torch.compile(_fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
     devices = [x.device] if x.device.type == 'cuda' else []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    # inside a DistributedDataParallel forward, dynamo would split the graph at DDP's bucket boundaries (optimize_ddp):
+    # one graph is what the reuse backward needs, and DDP's reducer syncs the node's gradients anyway
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch._dynamo.config.patch(optimize_ddp=False):
         logits, _ = compiled(model, box, xc)
         if 'bw' not in got and logits.requires_grad:    # AOT may build the backward graph lazily
             wrt = [p for p in model.parameters() if p.requires_grad]

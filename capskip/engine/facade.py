@@ -56,8 +56,9 @@ def unsynced_error(model: nn.Module) -> RuntimeError:
     "The refusal of a forward that no DistributedDataParallel wraps while several processes train."
     return RuntimeError(f'capskip: {type(model).__name__} runs in a {tdist.get_world_size()}-process group, but this forward '
                         'is not inside DistributedDataParallel, so the ranks\' gradients would never be averaged: build '
-                        'CAPSkip/Engine on the DDP-wrapped model (CAPSkip(DDP(model))) or call it inside the wrapped '
-                        "module's forward; pass ddp_check=False if you synchronise gradients yourself")
+                        'CAPSkip/Engine on the DDP-wrapped model (CAPSkip(DDP(model)); with accelerate, on the model '
+                        "accelerator.prepare returned) or call it inside the wrapped module's forward; pass "
+                        'ddp_check=False if you synchronise gradients yourself')
 
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`; `compile=True` runs the graphs through `torch.compile`."
