@@ -223,3 +223,13 @@ def test_a_timed_command_from_the_shell_answers_before_torch(words):
     assert len(imported) > 20 and 'capskip.cli' in imported, out.stderr[-500:]
     assert out.returncode == (0 if '--help' in words else 2)
     assert 'torch' not in imported, [m for m in imported if m.startswith('torch')][:5]
+
+
+@pytest.mark.parametrize('argv,message,cwd', [
+    (['select-demo', '--budget', '-1'], '--budget must be a finite number >= 0', None),
+    (['readme', '--check'], 'no settings.ini found', 'tmp'),
+    (['bench', 'step', '--ddp', '1'], '--ddp needs at least 2 processes', None)])
+def test_one_line_not_a_traceback(argv, message, cwd, tmp_path):
+    proc = subprocess.run([sys.executable, '-m', 'capskip', *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path if cwd else ROOT)
+    assert proc.returncode == 2 and message in proc.stderr and 'Traceback' not in proc.stderr, proc.stderr[-800:]

@@ -54,6 +54,7 @@ def select_demo_main(argv: list[str] | None = None) -> int:
     "`capskip select-demo`: run the selector on one real batch of the embedded digits data and print what it drops."
     parser = select_demo_parser()
     ns = parser.parse_args(argv or [])
+    if not (ns.budget >= 0 and ns.budget < float('inf')): parser.error(f'--budget must be a finite number >= 0 (e.g. 0.09), got {ns.budget}')
     import torch
     from capskip.core import ce_residuals
     from capskip.selector import first_violation, last_layer_grad, magnitude_budget, select

@@ -219,7 +219,8 @@ def readme_main(argv: list[str] | None = None) -> int:
                                      description='Regenerate README.md from nbs/index.ipynb (or --check that they agree).')
     parser.add_argument('--check', action='store_true', help='only compare; exit 1 if README.md is stale')
     ns = parser.parse_args(argv or [])
-    root = find_repo_root()
+    try: root = find_repo_root()
+    except FileNotFoundError as err: parser.error(str(err))
     want = readme_from_notebook(root / 'nbs' / 'index.ipynb')
     readme = root / 'README.md'
     if ns.check:
