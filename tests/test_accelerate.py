@@ -17,7 +17,7 @@ from capskip.engine.reuse import cached_traces
 from capskip.integrations.accelerate import step_metrics
 from capskip.testing import digits_tensors, trained_digits_mlp
 
-from test_ddp import launch
+from test_ddp import rank_results
 
 pytestmark = pytest.mark.filterwarnings('error::RuntimeWarning')       # reuse's fallback to a full backward warns
 
@@ -133,11 +133,7 @@ WORKER = textwrap.dedent('''
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('accelerate_ddp')
-    script = tmp / 'worker.py'
-    script.write_text(WORKER)
-    launch(script, [str(tmp)])
-    return [torch.load(tmp / f'rank{r}.pt', weights_only=True) for r in range(2)]
+    return rank_results(tmp_path_factory.mktemp('accelerate_ddp'), WORKER)
 
 
 def test_two_processes_sync_the_skipped_gradients(ranks, digits):

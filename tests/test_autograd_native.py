@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import capskip
 from capskip.engine.check import grad_errors, model_grads
+from capskip.engine.reuse import cached_traces
 from capskip.testing import digits_tensors, trained_digits_mlp
 
 MODES = ('masked', 'reforward', 'reuse')
@@ -59,8 +60,9 @@ def test_loss_api_is_the_kept_rows_autograd_gradient(digits, mode):
     worst, overall = grad_errors(model_grads(model), reference(model, x, y, stats.applied))
     assert worst <= 1e-5 and overall <= 1e-5, (mode, worst, overall)
     if mode != 'masked':
-        assert logits.grad_fn is not None and type(logits.grad_fn).__name__ == 'SkipBackwardBackward'
-        assert skip.engine.executor.mode == mode and logits.grad_fn is not None
+        assert type(logits.grad_fn).__name__ == 'SkipBackwardBackward'              # the skipping node, not plain autograd
+        assert skip.engine.executor.mode == mode
+    if mode == 'reuse': assert {type(t).__name__ for t in cached_traces(model)} == {'Traced'}   # no fallback reason
     assert skip.counters()['rows_backprop'] == kept
 
 
@@ -192,9 +194,14 @@ def test_refusals_name_the_problem(digits):
 
 def test_int32_labels_and_a_compiled_module_object(digits):
     model, x, y = digits
-    skip = capskip.CAPSkip(copy.deepcopy(model), budget=0.3, mode='reforward')
-    loss = skip.loss(skip(x), y.int())
-    loss.backward()
+    grads = []
+    for labels in (y, y.int(), y.to(torch.uint8)):
+        net = copy.deepcopy(model)
+        skip = capskip.CAPSkip(net, budget=0.3, mode='reforward')
+        skip.loss(skip(x), labels).backward()
+        grads.append(model_grads(net))
+    for other in grads[1:]:
+        for name in grads[0]: assert torch.equal(other[name], grads[0][name]), name   # same step whatever the label dtype
     compiled = torch.compile(copy.deepcopy(model))
     engine = capskip.Engine(compiled, mode='masked')
     assert engine.model is compiled._orig_mod and engine.compile

@@ -75,13 +75,17 @@ def launch(script: Path, args: list[str], world: int = 2, timeout: int = 150) ->
         assert p.returncode == 0, o[-3000:]
 
 
+def rank_results(tmp: Path, worker: str, world: int = 2) -> list:
+    "Run `worker` (a script taking the output folder) in `world` processes; what each saved as rank<r>.pt."
+    script = tmp / 'worker.py'
+    script.write_text(worker)
+    launch(script, [str(tmp)], world=world)
+    return [torch.load(tmp / f'rank{r}.pt', weights_only=True) for r in range(world)]
+
+
 @pytest.fixture(scope='module')
 def two_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('ddp')
-    script = tmp / 'worker.py'
-    script.write_text(WORKER)
-    launch(script, [str(tmp)])
-    return [torch.load(tmp / f'rank{r}.pt', weights_only=True) for r in range(2)]
+    return rank_results(tmp_path_factory.mktemp('ddp'), WORKER)
 
 
 def test_ddp_gradient_equals_single_process_reference(two_ranks):

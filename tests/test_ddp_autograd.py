@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from test_ddp import launch
+from test_ddp import rank_results
 
 WORKER = textwrap.dedent('''
     import copy, sys, warnings
@@ -84,11 +84,7 @@ WORKER = textwrap.dedent('''
 
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('ddp_autograd')
-    script = tmp / 'worker.py'
-    script.write_text(WORKER)
-    launch(script, [str(tmp)])
-    return [torch.load(tmp / f'rank{r}.pt', weights_only=True) for r in range(2)]
+    return rank_results(tmp_path_factory.mktemp('ddp_autograd'), WORKER)
 
 
 def relative(got: dict, ref: dict) -> float:

@@ -1,7 +1,7 @@
 """Every CUDA path of capskip in one prepared command, for a session that is lent a GPU (a maintainers' helper).
 
 Usage:
-  python tools/gpu_check.py                      # on cuda: records into nbs/recorded/ (about 6-8 minutes on one GPU)
+  python tools/gpu_check.py                      # on cuda: records into nbs/recorded/ (each step has its own time limit, 70 minutes in all; its time on a GPU is not measured yet)
   python tools/gpu_check.py --device cpu --quick --records /tmp/rec   # the same steps, small, on a CPU (CI runs this)
 
 Steps, each a subprocess with its own time limit, in this order (the cheap, decisive ones first):

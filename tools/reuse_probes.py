@@ -5,7 +5,7 @@ Usage: python tools/reuse_probes.py PROBE [--model M] [--img N] [--keep K] [--re
   depthwise    oneDNN's depthwise 7x7 convolution backward at [88, 320, 1, 1] with an NCHW- or channels-last-strided input
   strides-ab   reuse backward / kept-only floor with take_rows as it was (is_contiguous() shortcut) and as it is,
                both traced and run interleaved in one process
-  pieces       per-step milliseconds of reuse's Python around the backward graph (_bw_args, _accumulate)
+  pieces       per-step milliseconds of reuse's Python around the backward graph (_bw_args, _aligned)
   fixed-cost   at K (default 2 rows): reuse and floor backward, the floor with its caches evicted before its backward,
                the floor after an extra forward of all B rows, reuse with the frees of its saved values deferred, reuse
                after an extra forward of the kept rows (the weights warm in cache, as in the floor's backward), the floor
@@ -101,7 +101,7 @@ def pieces(a):
             t0 = time.perf_counter(); out = f(*args, **kw); spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
             return out
         setattr(R, name, w)
-    for name in ('_bw_args', '_accumulate', 'guards_hold'): timed(name)
+    for name in ('_bw_args', '_aligned', 'guards_hold'): timed(name)
     r = runner(a)
     for _ in range(3): r.step('reuse', a.keep)
     spent.clear()

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .head import HeadCapture
-from .node import kept_rows, skip_forward
+from .node import kept_indices, skip_forward
 from .probe import RowProbe
 from .types import Forward
 
@@ -104,7 +104,7 @@ class Reforward(Executor):
         "Gradients of `params` from a second forward of the kept rows (on detached stand-ins: hooks fire once, in autograd)."
         from torch.nn.utils.stateless import _reparametrize_module
         x, (amp_on, amp_dtype) = state
-        rows = kept_rows(keep, kept)
+        rows = kept_indices(keep, kept)
         xk = x.index_select(0, rows)
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 from .types import Forward
 
 # %% auto #0
-__all__ = ['nonzero_rows', 'kept_rows', 'trainable', 'SkipNode', 'SkipBackward', 'skip_forward', 'InjectGrad', 'inject_grad',
+__all__ = ['nonzero_rows', 'kept_indices', 'trainable', 'SkipNode', 'SkipBackward', 'skip_forward', 'InjectGrad', 'inject_grad',
            'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
@@ -24,7 +24,7 @@ def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
     "bool [B]: the rows whose upstream gradient has an entry that is not exactly zero (NaN included)."
     return grad_logits.reshape(grad_logits.shape[0], -1).ne(0).any(1)
 
-def kept_rows(keep: torch.Tensor, kept: int) -> torch.Tensor:
+def kept_indices(keep: torch.Tensor, kept: int) -> torch.Tensor:
     "The indices of the `kept` True entries of `keep`, without a host read (their count is known)."
     return torch.nonzero_static(keep, size=kept).squeeze(1)
 

@@ -20,7 +20,7 @@ from .executors import Executor, Reforward, mark_rows_dynamic
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
 from .layouts import is_rows, make_layout
-from .node import kept_rows
+from .node import kept_indices
 from .probe import RowProbe
 from .types import Forward, RowDependenceError
 
@@ -190,7 +190,7 @@ class Reuse(Executor):
         traced, B = st.traced, st.batch
         sliced = traced.fallback_reason is None and not (kept == B and keep.numel() == B)
         if sliced:
-            rows = kept_rows(keep, kept)
+            rows = kept_indices(keep, kept)
             tangent = grad_logits.index_select(0, rows)
             if kept == 1:                                # the trace assumed batch >= 2: two half-weight copies
                 rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, 1)
