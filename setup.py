@@ -19,7 +19,7 @@ requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 docs_requirements = shlex.split(cfg.get('docs_requirements', ''))
 # framework integrations (capskip.integrations): optional for users, installed for the tests
-integrations = {name: shlex.split(cfg.get(f'{name}_requirements', '')) for name in ('lightning', 'accelerate')}
+integrations = {name: shlex.split(cfg.get(f'{name}_requirements', '')) for name in ('lightning', 'accelerate', 'hf')}
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 console_scripts = cfg.get('console_scripts', '').split()

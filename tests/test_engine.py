@@ -160,9 +160,22 @@ def test_row_confined_layouts():
     assert not row_confined(torch.ones(5, dtype=torch.bool), 4)  # input-dependent, no batch dim
 
 
-def test_probe_needs_float_input():
-    with pytest.raises(ValueError, match='floating-point'):
-        probe_modules(nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2)), torch.zeros(3, 2, dtype=torch.long))
+class _IdsMix(nn.Module):
+    "Token ids embedded, then a batch-wide mean subtracted: rows mix after the embedding."
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 4), nn.Linear(8, 2)
+    def forward(self, ids):
+        h = self.emb(ids).flatten(1)
+        return self.fc(h - h.mean(0))
+
+
+def test_probe_takes_integer_token_ids():
+    "Integer inputs are probed through the first floating value the model computes (the embedding output)."
+    ids = torch.randint(0, 10, (6, 2), generator=torch.Generator().manual_seed(0))
+    probe_modules(nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2)), ids)   # row-independent: passes
+    with pytest.raises(RowDependenceError):
+        probe_modules(_IdsMix(), ids)
 
 
 def test_masked_forward_under_no_grad_is_a_clear_error():

@@ -359,8 +359,9 @@ def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor) -> None:
     before = {pos: ~torch.isfinite(out[pos]) for pos, _ in checks if isinstance(out[pos], torch.Tensor)
               and out[pos].is_floating_point() and not bool(finite_rows(out[pos].reshape(1, -1)).all())}
     del out
-    out, poisoned_rows = _traced_run(traced, model, xnan, checks)
-    for pos, lay in checks:                              # 1. the NaN stays in row 0
+    # an integer input (token ids, packed bytes) has no NaN to carry: the eager probe injected one inside the model
+    out, poisoned_rows = _traced_run(traced, model, xnan, checks) if xnan is not None else ([], {})
+    for pos, lay in checks if xnan is not None else []:  # 1. the NaN stays in row 0
         t = out[pos]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point(): continue
         if pos not in before and is_rows(lay) and bool(finite_rows(rows_of(t, lay, B))[1:].all()): continue   # one sum a row
@@ -372,6 +373,7 @@ def probe_traced(traced: Traced, model: nn.Module, x: torch.Tensor) -> None:
     del out
     again, twice = None, {}                              # 2. the rows not changed come out bit for bit
     for i, (xin, moved) in enumerate(((xnan, range(1)), (xswap, swapped))):
+        if xin is None: continue
         got = poisoned_rows if i == 0 else _traced_run(traced, model, xin, checks)[1]
         for pos, lay in checks:
             if pos not in got or pos not in plain: continue

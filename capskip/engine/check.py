@@ -15,15 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .facade import Engine
+from .inputs import logits_of
 from .types import MODES
 
 TOLERANCE = 1e-4          # our choice: fp32 engines agree with autograd to ~1e-6 on every model checked (see above)
 ZERO_FLOOR = 1e-3         # our choice: a parameter's error is relative to at least 1e-3 of the largest gradient norm
 
 # %% auto #0
-__all__ = ['TOLERANCE', 'ZERO_FLOOR', 'STOCHASTIC_ATTRS', 'model_grads', 'autograd_grads', 'relative_errors', 'grad_errors',
-           'worst_error', 'CheckRow', 'without_stochastic_layers', 'randomness_left', 'kept_rows', 'engine_grads',
-           'selections', 'gradient_check', 'format_rows', 'verdict']
+__all__ = ['TOLERANCE', 'ZERO_FLOOR', 'STOCHASTIC_ATTRS', 'model_grads', 'call_model', 'first_rows', 'autograd_grads',
+           'relative_errors', 'grad_errors', 'worst_error', 'CheckRow', 'without_stochastic_layers', 'output_tensors',
+           'randomness_left', 'kept_rows', 'engine_grads', 'selections', 'gradient_check', 'format_rows', 'verdict']
 
 # %% ../../nbs/01h_check.ipynb #11101d60
 def model_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -31,13 +32,21 @@ def model_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()
             if p.requires_grad}
 
+def call_model(model: nn.Module, x) -> torch.Tensor:
+    "The logits of `model(x)`, or of `model(**x)` when `x` is a dict of keyword inputs (token ids, attention mask)."
+    return logits_of(model(**x) if isinstance(x, dict) else model(x))
+
+def first_rows(x, n: int):
+    "Rows 0…n−1 of a batch: a tensor, or each tensor of a dict of keyword inputs."
+    return {k: v[:n] if isinstance(v, torch.Tensor) else v for k, v in x.items()} if isinstance(x, dict) else x[:n]
+
 def autograd_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None = None,
                    label_smoothing: float = 0.0, denominator: float | None = None, seed: int | None = None) -> dict[str, torch.Tensor]:
     "Plain-autograd gradients of (1/denominator) Σ w_i CE(z_i, y_i) on a copy of `model`, by parameter name."
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     if seed is not None: torch.manual_seed(seed)
-    losses = F.cross_entropy(ref(x), y, reduction='none', label_smoothing=label_smoothing)
+    losses = F.cross_entropy(call_model(ref, x), y, reduction='none', label_smoothing=label_smoothing)
     if weights is not None: losses = losses * weights.float()
     losses.sum().div(len(y) if denominator is None else denominator).backward()
     return model_grads(ref)
@@ -100,17 +109,23 @@ def without_stochastic_layers(model: nn.Module) -> tuple[nn.Module, int]:
             if _stochastic(m, attr): setattr(m, attr, 0.0); changed += 1
     return model, changed
 
+def output_tensors(out) -> list[torch.Tensor]:
+    "The tensors of a model's output: itself, a tuple's, or a dict's / `ModelOutput`'s values."
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
 def randomness_left(model: nn.Module, x: torch.Tensor) -> bool:
     "Whether two forwards of `model` (on two rows of `x`) under different seeds differ: randomness not switched off."
-    devices = [x.device] if x.device.type == 'cuda' else []
+    device = next(iter(x.values())).device if isinstance(x, dict) else x.device
+    devices = [device] if device.type == 'cuda' else []
     outs = []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         buffers = {n: b.clone() for n, b in model.named_buffers()}
         for seed in (1, 2):
-            torch.manual_seed(seed); outs.append(model(x[:2]))
+            xs = first_rows(x, 2)
+            torch.manual_seed(seed); outs.append(output_tensors(model(**xs) if isinstance(xs, dict) else model(xs)))
         for n, b in model.named_buffers(): b.copy_(buffers[n])
-    return not all(torch.equal(a, b) for a, b in zip(outs[0] if isinstance(outs[0], tuple) else [outs[0]],
-                                                      outs[1] if isinstance(outs[1], tuple) else [outs[1]]))
+    return not all(torch.equal(a, b) for a, b in zip(*outs))
 
 # %% ../../nbs/01h_check.ipynb #2b58e246
 def kept_rows(keep: float, batch: int) -> int:
@@ -123,7 +138,7 @@ def engine_grads(engine: Engine, x: torch.Tensor, y: torch.Tensor, w: torch.Tens
     "The engine's gradients for the same loss, its kept count, the mode that actually ran and why the backward ran over all rows ('' if it did not)."
     engine.model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    fwd = engine.forward(x)
+    fwd = engine.forward(**x) if isinstance(x, dict) else engine.forward(x)
     unsliced = getattr(getattr(fwd.state, 'traced', None), 'fallback_reason', None) or ''
     kept = engine.loss_backward(fwd, y, w)
     return kept, model_grads(engine.model), fwd.mode, unsliced
@@ -142,12 +157,12 @@ def _caught(caught) -> str:
 
 def gradient_check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, modes=('reuse', 'reforward'),
                    keep: float = 0.35, seed: int = 0) -> list[CheckRow]:
-    "Each mode's zero-gradient-safe relative gradient error against plain autograd on each selection (raises `RowDependenceError`, `HeadError`)."
-    B = x.shape[0]
+    "Each mode's zero-gradient-safe relative gradient error against plain autograd on each selection (`x`: a batch, or a dict of keyword inputs; raises `RowDependenceError`, `HeadError`)."
+    B = len(y)
     k = kept_rows(keep, B)
     bad = [m for m in modes if m not in MODES]
     if bad: raise ValueError(f'unknown modes {bad}: use {", ".join(MODES)}')
-    cases = selections(B, k, torch.Generator().manual_seed(seed), x.device)
+    cases = selections(B, k, torch.Generator().manual_seed(seed), y.device)
     deterministic, n_stochastic = without_stochastic_layers(model)
     left = randomness_left(deterministic, x) if deterministic.training else False
     rows = []

@@ -5,13 +5,16 @@
 # %% ../../nbs/01g_facade.ipynb #b53bfb70
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
 from ..core import ce_residuals
 from .executors import Dense, Masked, Reforward
-from .head import HeadCapture, resolve_head
+from .head import HeadCapture, NotLogitsError, resolve_head
+from .inputs import ModelCall, pack_inputs
 from .node import data_parallel_wrapper, routed, unsynced_forward
 from .probe import RowProbe
 from .reuse import Reuse
@@ -19,7 +22,7 @@ from .types import MODES, Forward
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['EXECUTORS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'Engine']
+__all__ = ['EXECUTORS', 'MAX_CALLS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
@@ -60,43 +63,90 @@ def unsynced_error(model: nn.Module) -> RuntimeError:
                         "accelerator.prepare returned) or call it inside the wrapped module's forward; pass "
                         'ddp_check=False if you synchronise gradients yourself')
 
+MAX_CALLS = 16   # input structures one Engine keeps graphs for (our choice: a handful of shapes, bounded memory)
+
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`; `compile=True` runs the graphs through `torch.compile`."
     def __init__(self, model: nn.Module, mode: str = 'reuse', head: nn.Module | None = None, compile: bool = False,
-                 ddp_check: bool = True):
+                 ddp_check: bool = True, logits_fn: Callable | None = None):
         if not isinstance(model, nn.Module): raise TypeError(f'model must be an nn.Module, got {type(model).__name__}')
         if mode not in EXECUTORS: raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+        if logits_fn is not None and not callable(logits_fn): raise TypeError('logits_fn must be a function output -> logits')
         model, compile = uncompiled(model, compile)
         self.wrapper, model = data_parallel_wrapper(model)   # DDP: its forward runs around ours, its reducer syncs
         self.model, self.mode, self.compile, self.ddp_check = model, mode, bool(compile), bool(ddp_check)
+        self.head_arg, self.logits_fn = head, logits_fn
         self.capture = HeadCapture(resolve_head(model, head), model, explicit=head is not None)
         self.executor = EXECUTORS.create(mode, model, self.capture, RowProbe(model), compile=self.compile)
+        self.calls: dict = {}                            # InputSpec.key -> (ModelCall, its HeadCapture, its executor)
+        self.not_logits: set = set()                     # signatures of one-tensor calls whose output is not a tensor
+        self.last_capture = self.capture
 
     @property
     def head(self) -> nn.Module:
         "The head: a guess (the last registered `nn.Linear`) until the first forward finds and verifies it."
-        return self.capture.head
+        return self.last_capture.head
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def close(self) -> None:
-        "Remove the head hook."
-        self.capture.close()
+    def modules(self) -> list[nn.Module]:
+        "The modules the executors run: the model, and a `ModelCall` per call structure seen (their traces: `cached_traces`)."
+        return [self.model] + [call for call, _, _ in self.calls.values()]
 
-    def forward(self, x: torch.Tensor) -> Forward:
-        "One forward of all rows: `.logits` and `.features` from the same pass."
-        if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] == 0:
-            raise ValueError(f'x must be a tensor with a non-empty batch dimension first, got {getattr(x, "shape", type(x))}')
-        self.capture.verify(x)                           # once per input signature: the head is found and verified
+    def close(self) -> None:
+        "Remove the head hooks."
+        self.capture.close()
+        for _, capture, _ in self.calls.values(): capture.close()
+
+    def _plain(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        "The input tensor of a call the model's own executor runs: one tensor in, the logits tensor out (else None)."
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or self.logits_fn is not None: return None
+        x = args[0]
+        if x.ndim < 1 or x.shape[0] == 0:
+            raise ValueError(f'x must be a tensor with a non-empty batch dimension first, got shape {tuple(x.shape)}')
+        sig = (tuple(x.shape[1:]), x.dtype, x.device.type)
+        if sig in self.not_logits: return None
+        try: self.capture.verify(x)                      # once per input signature: the head is found and verified
+        except NotLogitsError:
+            self.not_logits.add(sig); return None
+        return x
+
+    def _route(self, args: tuple, kwargs: dict) -> tuple:
+        "(executor, head capture, input tensor) for this call: the model's own, or those of a `ModelCall` for its structure."
+        x = self._plain(args, kwargs)
+        if x is not None: return self.executor, self.capture, x
+        x, spec = pack_inputs(args, kwargs)
+        if x.shape[0] == 0: raise ValueError('the batch is empty: pass at least one row')
+        if spec.key not in self.calls:
+            if len(self.calls) >= MAX_CALLS:
+                raise ValueError(f'{MAX_CALLS} different input structures (keywords, dtypes, shapes after the batch) were '
+                                 'seen; each gets its own traced graph: pad inputs to a fixed length (e.g. padding="max_length" '
+                                 'or pad_to_multiple_of) and keep the keywords the same from batch to batch')
+            call = ModelCall(self.model, spec, self.logits_fn)
+            capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
+            self.calls[spec.key] = (call, capture, EXECUTORS.create(self.mode, call, capture, RowProbe(call),
+                                                                      compile=self.compile))
+        call, capture, executor = self.calls[spec.key]
+        call.spec = spec
+        capture.verify(x)
+        return executor, capture, x
+
+    def _forward(self, args: tuple, kwargs: dict) -> Forward:
+        executor, capture, x = self._route(args, kwargs)
+        self.last_capture = capture
+        return executor.forward(x)
+
+    def forward(self, *args, **kwargs) -> Forward:
+        "One forward of all rows (`engine.forward(x)`, or the model's own arguments, keywords included): `.logits` and `.features` from the same pass."
         if self.wrapper is None:
             if self.ddp_check and torch.is_grad_enabled() and unsynced_forward(): raise unsynced_error(self.model)
-            fwd = self.executor.forward(x)
+            fwd = self._forward(args, kwargs)
         else:                                            # DDP's forward (reducer prepared) around the executor's
             out: list = []
-            with routed(self.model, lambda xi: out.append(self.executor.forward(xi)) or out[-1].logits):
-                logits = self.wrapper(x)
+            with routed(self.model, lambda *a, **kw: out.append(self._forward(a, kw)) or out[-1].logits):
+                logits = self.wrapper(*args, **kwargs)
             fwd = out[-1]
             fwd.logits = logits                          # DDP may pass the output through its own autograd node
         fwd.autograd = torch.is_grad_enabled()

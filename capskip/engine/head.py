@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'find_head', 'resolve_head', 'HeadError', 'passes_through', 'ops_between', 'head_call', 'locate_head',
-           'HeadCapture']
+__all__ = ['PASS_THROUGH', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'passes_through', 'ops_between',
+           'head_call', 'locate_head', 'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
 def find_head(model: nn.Module) -> nn.Linear:
@@ -37,6 +37,9 @@ PASS_THROUGH = {'ViewBackward0', 'UnsafeViewBackward0', 'ReshapeAliasBackward0',
 
 class HeadError(ValueError):
     "The model's output is not its head's output (or no head ran), so the selector would budget the wrong gradient."
+
+class NotLogitsError(HeadError):
+    "The model returned something other than a tensor (an output object, a tuple): the engine then reads the logits from it (`capskip.engine.inputs.logits_of`)."
 
 def passes_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
     "Whether `out` is `head_out` unchanged: the same tensor, or reached only through `PASS_THROUGH` ops (autograd graph)."
@@ -108,8 +111,10 @@ def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) 
     names = {m: n for n, m in model.named_modules()}
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         got = f'a tensor of shape {tuple(out.shape)}' if isinstance(out, torch.Tensor) else f'a {type(out).__name__}'
-        raise HeadError(f'{type(model).__name__} returns {got}; CAPSkip needs the model to return one logits tensor '
-                        '[B, C] (return the logits only, without auxiliary or distillation outputs)')
+        error = HeadError if isinstance(out, torch.Tensor) else NotLogitsError
+        raise error(f'{type(model).__name__} returns {got}; CAPSkip needs the model to return one logits tensor '
+                    '[B, C] (return the logits only, without auxiliary or distillation outputs, or pass '
+                    'logits_fn=<output -> logits>)')
     seen: dict = {}                                      # module -> calls so far
     cands = []
     for m, i, o in calls:

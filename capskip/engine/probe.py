@@ -67,13 +67,14 @@ def check_finite(x: torch.Tensor) -> None:
                          f'row {rows[0]}), so the row-independence probe of mode="reforward"/"reuse" cannot run on it. Fix: '
                          'find where the data becomes NaN/inf (a normalisation by zero, a corrupt sample) and pass a finite batch')
 
-def probe_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, range]:
-    "The probe's inputs: `x` (at least 2 rows), a copy with row 0 NaN, a copy whose rows 0…h−1 (h = B // 2) hold rows h…2h−1 negated, and those changed rows."
+def probe_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, range]:
+    "The probe's inputs: `x` (at least 2 rows), a copy with row 0 NaN, a copy whose rows 0…h−1 (h = B // 2) hold rows h…2h−1 negated, and those changed rows. An integer input (token ids, packed bytes) has no NaN: its copy is None (the NaN goes into the first floating value the model computes) and its changed rows hold rows h…2h−1 as they are."
     clean = x.detach() if x.shape[0] >= 2 else torch.cat([x.detach(), x.detach()])
     h = clean.shape[0] // 2
     swapped = clean.clone()
-    swapped[:h] = -clean[h:2 * h]
-    return clean, poisoned(clean), swapped, range(h)
+    floating = clean.is_floating_point() or clean.is_complex()
+    swapped[:h] = -clean[h:2 * h] if floating else clean[h:2 * h]
+    return clean, (poisoned(clean) if floating else None), swapped, range(h)
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -131,15 +132,27 @@ class _NoTF32:
     def __exit__(self, *exc):
         if self.on: torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
-def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None = None):
-    "A no-grad forward from a copy of the RNG state (two of them draw the same dropout masks), buffers restored; `on_call(module, inputs, output, parent, call)` after each module; appends to `drew` whether it drew random numbers."
+def _poison_first(output, batch: int, pending: list):
+    "Row 0 of `output` set to NaN if it is the first floating batch-first value the forward computed (`pending` says whether one still has to be); else None."
+    if not (pending and isinstance(output, torch.Tensor) and output.is_floating_point() and output.ndim
+            and output.shape[0] == batch): return None
+    pending.clear()
+    out = output.clone()
+    out[0] = float('nan')
+    return out
+
+def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None = None, poison: bool = False):
+    "A no-grad forward from a copy of the RNG state (two of them draw the same dropout masks), buffers restored; `on_call(module, inputs, output, parent, call)` after each module; appends to `drew` whether it drew random numbers. `poison`: row 0 of the first floating batch-first module output becomes NaN (for integer inputs)."
     running: list = []                                   # the modules whose forward is under way, innermost last
     counts: dict = {}
+    pending = [True] if poison else []
     def enter(module, inputs): running.append(module)
     def leave(module, inputs, output):
         if running and running[-1] is module: running.pop()
         k = counts[module] = counts.get(module, -1) + 1
-        on_call(module, inputs, output, running[-1] if running else None, (module, k))
+        replaced = _poison_first(output, x.shape[0], pending)
+        on_call(module, inputs, output if replaced is None else replaced, running[-1] if running else None, (module, k))
+        return replaced
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     handles = ([h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
                if on_call is not None else [])
@@ -245,13 +258,14 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
         culprit = parent if parent is not None and _nan_spread(inputs, old_in, batch) else module
         shape = next(tuple(t.shape) for t in _tensors(output) if t.is_floating_point())
         offenders.append((_where(culprit, names), culprit, shape))
-    out_nan = _hooked(model, xnan, check)
+    out_nan = _hooked(model, clean, check, poison=True) if xnan is None else _hooked(model, xnan, check)
     if offenders:
         where, module, shape = offenders[0]
         raise row_dependence_error(f'module {where}', f'a NaN in one input row reached other rows of an output of shape {shape}',
                                    mixing_cause(module))
     again = None                                         # a second plain forward, run if an output moved
     for xin, moved, out in ((xnan, range(1), out_nan), (xswap, rows, None)):
+        if xin is None: continue                         # integer input: the NaN was injected inside, the swap decides
         if out is None: out = _hooked(model, xin)
         if not _moved(out_clean, out, batch, moved): continue
         if again is None: again = _hooked(model, clean)

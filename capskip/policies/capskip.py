@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
 from ..engine.head import passes_through
+from ..engine.inputs import split_labels
 from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
                                    epoch_counters, record, run_step, step_loss, IGNORE_INDEX)
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
@@ -55,12 +57,14 @@ class CAPSkip:
                  label_smoothing: float = 0.0, reweight: str | None = None, p: float = RW_P, p_bar: float = RWP_MEAN,
                  p_min: float = RWP_MIN, weighted: bool = True, exclude_upweighted: bool = False, seed: int = 0,
                  engine: Engine | None = None, compile: bool = False, ddp_check: bool = True, temperature: float = 1.0,
-                 ignore_index: int = IGNORE_INDEX):
+                 ignore_index: int = IGNORE_INDEX, logits_fn: Callable | None = None, label_key: str | None = 'labels'):
         check_capskip_options(budget, reweight, p, p_bar, p_min)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f'temperature must be a number > 0 (the loss is CE(logits / temperature)), got {temperature!r}')
         self.temperature, self.ignore_index = float(temperature), int(ignore_index)
-        self.engine = Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check) if engine is None else engine
+        self.engine = (Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check, logits_fn=logits_fn)
+                       if engine is None else engine)
+        self.label_key = label_key
         self.model, self.label_smoothing, self.seed = model, float(label_smoothing), int(seed)
         self.options = dict(budget=float(budget), weighted=bool(weighted), exclude_upweighted=bool(exclude_upweighted),
                             reweight=reweight, p=p, p_bar=p_bar, p_min=p_min)
@@ -81,23 +85,33 @@ class CAPSkip:
         gen = self.generator(logits.device) if self.options['reweight'] in ('rw', 'rwp') else None
         return capskip_decision(logits, y, res, feats, w, generator=gen, bias=self.engine.head.bias is not None, **self.options)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        "Forward every row (what the backward of the kept rows needs is kept); returns the logits, in autograd's graph."
-        fwd = self.engine.forward(x)
-        self._recent = [(r, f) for r, f in self._recent[-7:] if r() is not None] + [(weakref.ref(fwd.logits), fwd.features)]
+    def __call__(self, *args, **kwargs) -> Tensor:
+        "Forward every row of `model(*args, **kwargs)` (a lone dict: its keywords, `label_key` taken out and kept for `loss`); returns the logits, in autograd's graph."
+        args, kwargs, labels = split_labels(args, kwargs, self.label_key)
+        fwd = self.engine.forward(*args, **kwargs)
+        self._recent = [r for r in self._recent[-7:] if r[0]() is not None] + [(weakref.ref(fwd.logits), fwd.features, labels)]
         return fwd.logits
 
-    def features_of(self, logits: Tensor) -> Tensor:
-        "The head's input from the forward that made `logits` (one of the last 8 forwards; a cast or view of them too)."
-        for ref, feats in reversed(self._recent):
+    def _forward_of(self, logits: Tensor) -> tuple:
+        for ref, feats, labels in reversed(self._recent):
             out = ref()
-            if out is not None and passes_through(logits, out): return feats
+            if out is not None and passes_through(logits, out): return feats, labels
         raise ValueError('skip.loss needs the logits that skip(x) returned (or a cast of them, e.g. logits.float()): '
                          'call logits = skip(x) in this step, not model(x)')
 
-    def loss(self, logits: Tensor, y: Tensor, weights: Tensor | None = None, denominator: float | None = None) -> Tensor:
-        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size): back-propagate it yourself."
-        loss, stats = step_loss(self.engine, logits, self.features_of(logits), y, weights, self.decide,
+    def features_of(self, logits: Tensor) -> Tensor:
+        "The head's input from the forward that made `logits` (one of the last 8 forwards; a cast or view of them too)."
+        return self._forward_of(logits)[0]
+
+    def loss(self, logits: Tensor, y: Tensor | None = None, weights: Tensor | None = None,
+             denominator: float | None = None) -> Tensor:
+        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself."
+        feats, labels = self._forward_of(logits)
+        if y is None: y = labels
+        if y is None:
+            raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
+                             f'labels in the batch under {self.label_key!r} (label_key=)')
+        loss, stats = step_loss(self.engine, logits, feats, y, weights, self.decide,
                                 self.label_smoothing, denominator=denominator, temperature=self.temperature,
                                 ignore_index=self.ignore_index)
         record(self.stats, stats)
