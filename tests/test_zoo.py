@@ -1,4 +1,4 @@
-"`capskip check --zoo` (capskip.cli.zoo): the subset of the table that fits the suite budget — a BatchNorm convnet, a distillation-head ViT, a convnet, an MLP-mixer (the ViT under reuse: tests/test_engine_reuse.py)."
+"`capskip check --zoo` (capskip.cli.zoo): the subset of the table that fits the suite budget — a BatchNorm convnet, a distillation-head ViT, a convnet, an MLP-mixer, the text rows (token ids with padding) (the ViT under reuse: tests/test_engine_reuse.py)."
 import logging
 
 import pytest
@@ -9,7 +9,9 @@ from capskip.engine.check import TOLERANCE
 SUBSET = {'torchvision:resnet18': {'reuse': 'refused (BatchNorm in train mode: module bn1 (BatchNorm2d))'},
           'timm:deit_tiny_distilled_patch16_224': {'reuse': 'refused (head: '},
           'timm:convnext_atto': {'reuse': 'exact', 'reforward': 'exact'},
-          'timm:mixer_s16_224': {'reuse': 'exact', 'reforward': 'exact'}}
+          'timm:mixer_s16_224': {'reuse': 'exact', 'reforward': 'exact'},
+          'digits_text': {'reuse': 'exact', 'reforward': 'exact'},                 # token ids + a padding mask
+          'hf:bert-tiny-config': {'reuse': 'exact', 'reforward': 'exact'}}
 
 
 @pytest.fixture(scope='module')
@@ -21,7 +23,7 @@ def rows():
 def test_the_zoo_covers_the_families():
     families = ' '.join(e.family for e in ZOO)
     assert len(ZOO) >= 15
-    for kind in ('convnet', 'ViT', 'MLP-mixer', 'hierarchical', 'MultiheadAttention', 'BatchNorm'):
+    for kind in ('convnet', 'ViT', 'MLP-mixer', 'hierarchical', 'MultiheadAttention', 'BatchNorm', 'token ids'):
         assert kind in families
 
 

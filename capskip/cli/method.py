@@ -90,12 +90,6 @@ def _build_model(name: str, num_classes: int, img: int) -> nn.Module:
     try: return create_model(name, num_classes=num_classes, img_size=img)
     except TypeError: return create_model(name, num_classes=num_classes)
 
-def _in_channels(model: nn.Module) -> int:
-    "The first convolution's input channels (3 if there is none)."
-    import torch.nn as nn
-    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return conv.in_channels if conv is not None else 3
-
 def _zoo(ns) -> int:
     "`capskip check --zoo`: the compatibility table."
     import torch
@@ -114,7 +108,8 @@ def check_parser() -> argparse.ArgumentParser:
     "The `capskip check` argument parser (built without importing torch)."
     p = argparse.ArgumentParser(prog='capskip check', description='Gradient exactness of reuse and reforward execution '
                                 'against plain autograd for one model (--model), or for the compatibility zoo (--zoo).')
-    p.add_argument('--model', help='registry name (resnet18_gn, deit_s, vit_tiny, digits_cnn), timm:<name> or torchvision:<name>')
+    p.add_argument('--model', help='registry name (resnet18_gn, deit_s, vit_tiny, digits_cnn, digits_text), timm:<name>, torchvision:<name>, '
+                   'or hf:<config> (hf:bert-tiny-config, or hf:PATH to a config.json; needs capskip[hf])')
     p.add_argument('--zoo', action='store_true', help='check the compatibility zoo of timm/torchvision architectures instead')
     p.add_argument('--only', default=None, help='with --zoo: comma-separated zoo names to check (default: all of them)')
     p.add_argument('--mode', default='all', choices=['reuse', 'reforward', 'all'],
@@ -157,7 +152,8 @@ def check_main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:      # an unknown model name or device: one line, exit 2
         p.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
     gen = torch.Generator().manual_seed(ns.seed)
-    x = torch.randn(ns.batch, _in_channels(model), ns.img, ns.img, generator=gen).to(device)
+    from capskip.runs.text import example_inputs
+    x = example_inputs(model, ns.batch, ns.img, gen, device)        # token ids + attention mask for a text model
     y = torch.randint(0, ns.num_classes, (ns.batch,), generator=gen).to(device)
     modes = ('reuse', 'reforward') if ns.mode == 'all' else (ns.mode,)
     n_params = sum(p.numel() for p in model.parameters())

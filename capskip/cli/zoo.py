@@ -17,6 +17,7 @@ from ..engine.check import TOLERANCE, gradient_check, verdict, worst_error
 from ..engine.head import HeadError
 from ..engine.types import RowDependenceError
 from ..runs.models import create_model
+from ..runs.text import example_inputs
 
 # %% auto #0
 __all__ = ['ZOO', 'CAUSES', 'ZooEntry', 'zoo_entries', 'ZooRow', 'zoo_row', 'format_zoo', 'run_zoo']
@@ -47,6 +48,8 @@ ZOO = [
     ZooEntry('timm:swin_tiny_patch4_window7_224', 'hierarchical transformer', dict(img_size=32, window_size=2)),
     ZooEntry('torchvision:swin_t', 'hierarchical transformer'),
     ZooEntry('timm:pvt_v2_b0', 'hierarchical transformer'),
+    ZooEntry('digits_text', 'text encoder, token ids + attention mask'),
+    ZooEntry('hf:bert-tiny-config', 'HF BERT, token ids + attention mask'),
 ]
 
 def zoo_entries(only: list[str] | None = None) -> list[ZooEntry]:
@@ -98,7 +101,7 @@ def zoo_row(entry: ZooEntry, modes=('reuse', 'reforward'), batch: int = 4, keep:
         return row
     row.params_m = sum(p.numel() for p in model.parameters()) / 1e6
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 3, img, img, generator=gen).to(device)
+    x = example_inputs(model, batch, img, gen, device)             # token ids + attention mask for a text model
     y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
     errs, globs = [], []
     for mode in modes:

@@ -21,8 +21,8 @@ from ..selector import last_layer_grad
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'POLICIES', 'StepStats', 'Policy', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
-           'realised_distortion', 'lastfix_grad', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'BasePolicy', 'DensePolicy', 'check_step_inputs', 'check_plan_args']
+           'realised_distortion', 'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step',
+           'step_loss', 'device_generator', 'BasePolicy', 'DensePolicy', 'check_step_inputs', 'check_plan_args']
 
 # %% ../../nbs/02b_policy_core.ipynb #3671c9eb
 @dataclass
@@ -104,12 +104,16 @@ def lastfix_grad(head: nn.Module, res: Tensor, feats: Tensor, dropped_weights: T
     grads = [gw] + ([gb] if has_bias else [])
     return inject_grad(params, [(g / denominator).to(p.dtype) for g, p in zip(grads, params)])
 
+def at_least_float32(t: Tensor) -> Tensor:
+    "`t` in float32 if it is a narrower float (fp16/bf16 autocast), else unchanged (a float64 model keeps float64)."
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
 def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
            label_smoothing: float = 0.0, bias: bool | None = None, temperature: float = 1.0,
            ignore_index: int = IGNORE_INDEX) -> tuple:
     "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y, rows counted), on the device."
     B = logits.shape[0]
-    logits = logits.detach().float() / temperature
+    logits = at_least_float32(logits.detach()) / temperature        # half/bf16 logits up to float32; float64 stays
     y = y.to(logits.device)
     w = torch.ones(B, device=logits.device) if weights is None else weights.detach().to(logits.device, torch.float32)
     counted = ignored = None                                         # rows in the loss: all, unless labels are ignored
@@ -122,7 +126,7 @@ def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights:
     if rule is None:
         d, distortion = Decision(w, torch.zeros(B, dtype=torch.bool, device=w.device)), w.new_zeros(())
     else:
-        feats = features.detach().float()
+        feats = at_least_float32(features.detach())
         d = rule(logits, y, res, feats, w, losses)
         received = d.applied if d.last_layer is None else d.last_layer
         distortion = realised_distortion(res, feats, w, received, engine.head.bias is not None if bias is None else bias)
@@ -159,7 +163,7 @@ def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weigh
     d, res, losses, distortion, correct, y, counted = decide(engine, logits, features, y, weights, rule, label_smoothing,
                                                              bias, temperature, ignore_index)
     den = loss_denominator(B, counted, denominator)
-    per_row = F.cross_entropy(logits.float() / temperature, y, reduction='none', label_smoothing=label_smoothing)
+    per_row = F.cross_entropy(at_least_float32(logits) / temperature, y, reduction='none', label_smoothing=label_smoothing)
     loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
     if d.lastfix is not None: loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
     return loss, StepStats((d.applied > 0).sum(), B, distortion, losses.sum(), losses, d.applied, d.drop, correct)

@@ -13,11 +13,12 @@ from torch import nn
 
 from ..engine.head import find_head
 from ..registry import Registry
+from .text import DigitsText, hf_model
 
 # %% auto #0
 __all__ = ['HEAD_PREFIXES', 'MODELS', 'PASS_THROUGHS', 'largest_divisor', 'batchnorm_to_groupnorm', 'zero_head',
            'read_state_dict', 'load_pretrained', 'resnet18_gn', 'deit_s', 'vit_tiny', 'digits_cnn', 'list_models',
-           'create_model']
+           'digits_text', 'create_model']
 
 # %% ../../nbs/04_models.ipynb #976fb15c
 def largest_divisor(channels: int, at_most: int) -> int:
@@ -148,11 +149,11 @@ def digits_cnn(num_classes: int = 10, in_chans: int = 1, width: int = 32, pretra
     return load_pretrained(model, pretrained) if pretrained else model
 
 # %% ../../nbs/04_models.ipynb #43837f6a
-PASS_THROUGHS = ('timm:<name>', 'torchvision:<name>')
+PASS_THROUGHS = ('timm:<name>', 'torchvision:<name>', 'hf:<config>')
 
 
 def list_models(pattern: str = '*') -> list[str]:
-    "The registry's names matching the glob `pattern` (plus the `timm:<name>` and `torchvision:<name>` pass-throughs)."
+    "The registry's names matching the glob `pattern` (plus the `timm:<name>`, `torchvision:<name>` and `hf:<config>` pass-throughs)."
     return MODELS.list(pattern) + [p for p in PASS_THROUGHS if fnmatch.fnmatchcase(p, pattern)]
 
 
@@ -167,6 +168,14 @@ def _timm_model(arch: str, num_classes: int, **kw) -> nn.Module:
         raise ValueError("timm models never download here: pass pretrained=PATH to a local state-dict file")
     if not timm.is_model(arch): raise _unknown(f'timm:{arch}', ' (not a timm architecture; see timm.list_models())')
     model = timm.create_model(arch, pretrained=False, num_classes=num_classes, **kw)
+    return load_pretrained(model, pretrained) if pretrained else model
+
+
+@MODELS.register('digits_text')
+def digits_text(num_classes: int = 10, dim: int = 48, depth: int = 1, heads: int = 4, dropout: float = 0.0,
+                pretrained: str | Path | None = None) -> nn.Module:
+    "`DigitsText`: a small Transformer encoder over the digits' 65 token ids (see `capskip.runs.text`)."
+    model = DigitsText(num_classes, dim=dim, depth=depth, heads=heads, dropout=dropout)
     return load_pretrained(model, pretrained) if pretrained else model
 
 
@@ -185,6 +194,7 @@ def create_model(name: str, num_classes: int = 100, **kw) -> nn.Module:
     "Build a registry model (see `list_models()`) with a `num_classes` linear head; keyword arguments are forwarded."
     if name.startswith('timm:'): model = _timm_model(name[5:], num_classes, **kw)
     elif name.startswith('torchvision:'): model = _torchvision_model(name[12:], num_classes, **kw)
+    elif name.startswith('hf:'): model = hf_model(name[3:], num_classes, **kw)
     elif name in MODELS: model = MODELS.create(name, num_classes=num_classes, **kw)
     else: raise _unknown(name)
     try: head = find_head(model)

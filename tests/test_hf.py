@@ -1,0 +1,243 @@
+"""The Hugging Face integration (issue 21, item 2) against the real `transformers` package: `CAPSkipTrainer` on a
+`BertForSequenceClassification` (dict batches, `.logits`, `labels` from the batch, `-100` ignored) and on an
+`AutoModelForImageClassification` ViT gives, for one optimizer step, plain autograd's gradient of the kept rows
+(float32, ≤ 1e-5) — with gradient accumulation, `max_grad_norm` clipping, bf16 autocast, and `ddp` on two gloo
+processes — while `reuse` really skips rows (kept < batch, a traced graph cached, no fallback warning); the CAPSkip
+counters reach `log_history`; evaluation is the Trainer's own; usage errors are one line."""
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip('transformers', reason='the hf extra: pip install "capskip[hf]"')
+from transformers import (BertConfig, BertForSequenceClassification, PrinterCallback, TrainerCallback, TrainingArguments,
+                          ViTConfig, ViTForImageClassification)
+
+from capskip.engine.check import grad_errors, model_grads
+from capskip.engine.reuse import cached_traces
+from capskip.integrations.hf import CAPSkipTrainer, check_classifier
+from capskip.testing import digits_tensors
+
+pytestmark = pytest.mark.filterwarnings('error::RuntimeWarning')       # reuse's fallback to a full backward warns
+logging.getLogger('transformers').setLevel(logging.ERROR)
+BERT = dict(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def token_task(n=64, seed=1):
+    "12 random tokens behind [CLS]; the class is the first token mod 3; every third row's last third padded and masked."
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 30, (n, 12), generator=g); ids[:, 0] = 1
+    mask = torch.ones_like(ids); mask[::3, 8:] = 0; ids[mask == 0] = 0
+    return ids, mask, ids[:, 1] % 3
+
+
+def pretrain(model, call, y, steps=60):
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    for _ in range(steps):
+        F.cross_entropy(call(model).logits, y).backward(); opt.step(); opt.zero_grad()
+    return model
+
+
+@pytest.fixture(scope='module')
+def bert():
+    "A tiny BERT trained until most rows are classified correctly (so CAPSkip has rows to drop)."
+    torch.manual_seed(0)
+    ids, mask, y = token_task()
+    model = pretrain(BertForSequenceClassification(BertConfig(**BERT)), lambda m: m(input_ids=ids, attention_mask=mask), y)
+    y = y.clone(); y[5] = -100
+    return model, [{'input_ids': ids[i], 'attention_mask': mask[i], 'labels': y[i]} for i in range(len(y))]
+
+
+@pytest.fixture(scope='module')
+def vit():
+    "A tiny ViT on 8-px digits (patches of 4), trained until most rows are classified correctly."
+    torch.manual_seed(0)
+    X, Y, _, _ = digits_tensors()
+    X, Y = X[:64], Y[:64]
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = pretrain(ViTForImageClassification(config), lambda m: m(pixel_values=X), Y, steps=100)
+    return model, [{'pixel_values': X[i], 'labels': Y[i]} for i in range(len(Y))]
+
+
+class Recorder(TrainerCallback):
+    "The gradient the optimizer steps with (after clipping)."
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw): self.grads = model_grads(model)
+
+
+def train_one_step(model, data, tmp_path, batch=32, accumulate=2, **args):
+    "One optimizer step of CAPSkipTrainer; returns the trainer, the optimizer's gradient, and each micro-batch's (inputs, applied)."
+    options = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate, max_steps=1, learning_rate=0.0,
+                   max_grad_norm=0.0, use_cpu=True, report_to=[], logging_steps=1, save_strategy='no', disable_tqdm=True)
+    trainer = CAPSkipTrainer(model=model, args=TrainingArguments(str(tmp_path), **{**options, **args}), train_dataset=data,
+                             capskip={'budget': 0.09})
+    recorder, micro = Recorder(), []
+    trainer.add_callback(recorder); trainer.remove_callback(PrinterCallback)
+    plain = trainer.compute_loss
+    def compute_loss(model, inputs, *a, **kw):
+        loss = plain(model, inputs, *a, **kw)
+        micro.append((dict(inputs), trainer.skip.last.applied.detach().clone()))
+        return loss
+    trainer.compute_loss = compute_loss
+    trainer.train()
+    return trainer, recorder.grads, micro
+
+
+def reference(base, micro, clip=0.0, autocast=False):
+    "Plain autograd of (1/N) Σ_micro-batches Σ_i applied_i CE_i, N the labelled rows of the step, on a copy; clipped as torch clips."
+    twin = copy.deepcopy(base)
+    n = sum(int((inputs['labels'] != -100).sum()) for inputs, _ in micro)
+    for inputs, applied in micro:
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            logits = twin(**{k: v for k, v in inputs.items() if k != 'labels'}).logits
+        (F.cross_entropy(logits.float(), inputs['labels'].clamp_min(0), reduction='none') * applied).sum().div(n).backward()
+    if clip: torch.nn.utils.clip_grad_norm_(twin.parameters(), clip)
+    return model_grads(twin)
+
+
+def assert_really_skipped(trainer, micro, batch=32):
+    kept = [int((applied > 0).sum()) for _, applied in micro]
+    assert all(0 < k < batch for k in kept), kept                          # rows were dropped, some kept
+    assert [type(t).__name__ for m in trainer.skip.engine.modules() for t in cached_traces(m)] == ['Traced']
+    assert trainer.skip.engine.executor.mode == 'reuse'
+
+
+def test_bert_accumulated_step_is_autograd_of_the_kept_rows(bert, tmp_path):
+    base, data = bert
+    trainer, got, micro = train_one_step(copy.deepcopy(base), data, tmp_path)
+    worst, overall = grad_errors(got, reference(base, micro))
+    assert worst <= 1e-5 and overall <= 1e-5, (worst, overall)
+    assert_really_skipped(trainer, micro)
+    ignored = [applied[inputs['labels'] == -100] for inputs, applied in micro]
+    assert sum(len(t) for t in ignored) == 1 and all((t == 0).all() for t in ignored)      # -100: weight 0, not counted
+    log = trainer.state.log_history[0]
+    kept = sum(int((a > 0).sum()) for _, a in micro)
+    assert log['capskip/kept_fraction'] == pytest.approx(kept / 64) and 0 <= log['capskip/distortion'] <= 0.09 + 1e-6
+
+
+def test_without_accumulation_the_loss_is_the_batch_mean(bert, tmp_path):
+    "One micro-batch per step: the denominator is the step's labelled rows, the same as with accumulation."
+    base, data = bert
+    trainer, got, micro = train_one_step(copy.deepcopy(base), data, tmp_path, batch=64, accumulate=1)
+    assert len(micro) == 1
+    worst, overall = grad_errors(got, reference(base, micro))
+    assert worst <= 1e-5 and overall <= 1e-5, (worst, overall)
+    assert_really_skipped(trainer, micro, batch=64)
+
+
+def test_max_grad_norm_clips_the_skipped_gradient(bert, tmp_path):
+    base, data = bert
+    trainer, got, micro = train_one_step(copy.deepcopy(base), data, tmp_path, max_grad_norm=1e-2)
+    worst, overall = grad_errors(got, reference(base, micro, clip=1e-2))
+    assert worst <= 1e-5 and overall <= 1e-5, (worst, overall)
+    assert sum(float(g.norm()) ** 2 for g in got.values()) ** 0.5 == pytest.approx(1e-2, rel=1e-3)   # really clipped
+
+
+def test_bf16_autocast(bert, tmp_path):
+    base, data = bert
+    trainer, got, micro = train_one_step(copy.deepcopy(base), data, tmp_path, bf16=True)
+    worst, overall = grad_errors(got, reference(base, micro, autocast=True))
+    assert worst <= 1e-3 and overall <= 1e-3, (worst, overall)              # a bf16 forward on both sides
+    assert grad_errors(got, reference(base, micro))[1] > 3e-3, 'autocast was not in effect'
+    assert_really_skipped(trainer, micro)
+
+
+def test_vit_image_classifier(vit, tmp_path):
+    base, data = vit
+    trainer, got, micro = train_one_step(copy.deepcopy(base), data, tmp_path)
+    worst, overall = grad_errors(got, reference(base, micro))
+    assert worst <= 1e-5 and overall <= 1e-5, (worst, overall)
+    assert_really_skipped(trainer, micro)
+
+
+def test_evaluation_is_the_trainers_own(bert, tmp_path):
+    base, data = bert
+    model = copy.deepcopy(base)
+    args = TrainingArguments(str(tmp_path), per_device_eval_batch_size=64, use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = CAPSkipTrainer(model=model, args=args, eval_dataset=data)
+    metrics = trainer.evaluate()
+    batch = {k: torch.stack([row[k] for row in data]) for k in data[0]}
+    with torch.no_grad(): expected = float(model.eval()(**batch).loss)
+    assert metrics['eval_loss'] == pytest.approx(expected, rel=1e-5)
+    assert trainer.skip is None                                             # no CAPSkip was built for evaluation
+
+
+def test_usage_errors_name_the_fix(bert, tmp_path):
+    base, data = bert
+    with pytest.raises(ValueError, match='train it with transformers.Trainer'):
+        check_classifier(BertForSequenceClassification(BertConfig(**{**BERT, 'num_labels': 1})))
+    unlabelled = [{k: v for k, v in row.items() if k != 'labels'} for row in data]
+    with pytest.raises(ValueError, match=r"labels of each batch under 'labels'.*label_names"):
+        train_one_step(copy.deepcopy(base), unlabelled, tmp_path)
+
+
+# ------------------------------------------------------------- ddp: two gloo processes launched by torch.distributed.run
+WORKER = '''
+import copy, json, logging, os, sys, torch
+sys.path.insert(0, {tests!r})
+import test_hf as t
+logging.getLogger('transformers').setLevel(logging.ERROR)
+out = sys.argv[1]
+torch.manual_seed(0)
+ids, mask, y = t.token_task()
+base = t.pretrain(t.BertForSequenceClassification(t.BertConfig(**t.BERT)), lambda m: m(input_ids=ids, attention_mask=mask), y)
+data = [{{'input_ids': ids[i], 'attention_mask': mask[i], 'labels': y[i]}} for i in range(len(y))]
+trainer, got, micro = t.train_one_step(copy.deepcopy(base), data, out, batch=16, accumulate=2, ddp_backend='gloo')
+rank = int(os.environ['RANK'])
+torch.save(dict(grads=got, micro=micro, base=base.state_dict(), wrapped=type(trainer.skip.model).__name__,
+                traced=[type(x).__name__ for m in trainer.skip.engine.modules() for x in t.cached_traces(m)],
+                log=trainer.state.log_history[0]), os.path.join(out, f'rank{{rank}}.pt'))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def ddp_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('hf_ddp')
+    script = tmp / 'worker.py'
+    script.write_text(textwrap.dedent(WORKER.format(tests=os.path.dirname(__file__))))
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
+    done = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(free_port()),
+                           str(script), str(tmp)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(tmp / f'rank{r}.pt', weights_only=False) for r in (0, 1)]
+
+
+def test_ddp_gradients_are_synced_and_exact(ddp_ranks):
+    r0, r1 = ddp_ranks
+    assert r0['wrapped'] == r1['wrapped'] == 'DistributedDataParallel'        # CAPSkip on the DDP wrapper
+    assert r0['traced'] == r1['traced'] == ['Traced']
+    worst, _ = grad_errors(r1['grads'], r0['grads'])
+    assert worst <= 1e-6, worst                                              # the all-reduce ran: one gradient on both ranks
+    base = BertForSequenceClassification(BertConfig(**BERT)); base.load_state_dict(r0['base'])
+    micro = r0['micro'] + r1['micro']
+    n = sum(int((inputs['labels'] != -100).sum()) for inputs, _ in micro)  # the global count (average_tokens_across_devices)
+    def plain(dtype):
+        twin = copy.deepcopy(base).to(dtype)
+        for inputs, applied in micro:
+            logits = twin(**{k: v for k, v in inputs.items() if k != 'labels'}).logits
+            (F.cross_entropy(logits, inputs['labels'], reduction='none') * applied.to(dtype)).sum().div(n).backward()
+        return {k: v.float() for k, v in model_grads(twin).items()}
+    exact, fp32 = plain(torch.float64), plain(torch.float32)
+    worst, overall = grad_errors(r0['grads'], exact)
+    plain_worst, _ = grad_errors(fp32, exact)
+    # attention key biases have an exactly zero gradient (softmax ignores a constant added to every key): in float32
+    # both sides carry round-off of about 1e-5 of the zero-gradient floor there, so the bar is plain float32 autograd's own error
+    assert worst <= max(1e-5, 2 * plain_worst) and overall <= 1e-5, (worst, plain_worst, overall)
+    kept = [int((a > 0).sum()) for _, a in micro]
+    assert all(0 < k < 16 for k in kept), kept
+    assert r0['log']['capskip/kept_fraction'] == pytest.approx(sum(kept) / 64)   # summed over both processes
