@@ -15,9 +15,9 @@ __all__ = ['DEFAULT_BUDGET', 'INFOBATCH_RATIO', 'INFOBATCH_DELTA', 'SELECTOR_EPS
            'TIMING_ALLOCATOR', 'MEMORY_ALLOCATOR', 'derive_seed', 'seeded_generator', 'ce_residuals', 'target_classes']
 
 # %% ../nbs/00a_core.ipynb #7ef2bc0c
-DEFAULT_BUDGET = 0.09     # b: the paper's budget (paper §4; SPEC §2, §8)
-INFOBATCH_RATIO = 0.5     # r: InfoBatch's skip probability in the paper's runs (SPEC §7)
-INFOBATCH_DELTA = 0.875   # δ: InfoBatch uses all rows in the last 12.5% of epochs (SPEC §7)
+DEFAULT_BUDGET = 0.09     # b: the paper's budget (paper §4, the Table 4 caption)
+INFOBATCH_RATIO = 0.5     # r: InfoBatch's prune ratio in the paper's runs (paper §4.2)
+INFOBATCH_DELTA = 0.875   # δ: InfoBatch uses all rows in the last 12.5% of epochs (paper §4.4, Setup)
 SELECTOR_EPS = 1e-12      # our assumption: absolute slack on ‖D_m‖² (round-off allowance; the whole allowance at G = 0)
 
 # %% ../nbs/00a_core.ipynb #891d4642

@@ -63,10 +63,11 @@ def _skipped(rel: PurePosixPath) -> bool:
 SIDEBAR = [   # (caption, notebook globs relative to nbs/): the sidebar's sections in reading order; first match wins
     ('Tutorials', ['tutorials/*']),
     ('The method', ['00_selector.ipynb', '01_engine.ipynb', '02_policies.ipynb']),
+    ('Use it with your framework', ['12*']),
     ('Experiments', ['03_runs.ipynb', '05_train.ipynb', '05r_reproduce.ipynb', '06_analysis.ipynb', '07_report.ipynb',
                      '07d_demo.ipynb', '08_bench.ipynb', '08a_*', '08b_*']),
     ('Command line', ['09*']),
-    ('API reference', ['0[0-8]*', '1[2-9]*', '[2-9]*']),
+    ('API reference', ['0[0-8]*', '1[3-9]*', '[2-9]*']),
     ('Internals: docs site and testing', ['10*', '11*', '*']),
 ]
 
