@@ -101,7 +101,7 @@ def test_sidebar_follows_notebook_order(built, seen):
 
 
 def test_sidebar_reads_as_a_book(built, seen):
-    "Tutorials first, then the method's pages, experiments, command line, API reference, and the internals last."
+    "Tutorials first, then the method's pages, the framework integrations, experiments, command line, API reference, and the internals last."
     names = [h[:-len('.html')] for h in seen.sidebar]
     first = lambda prefix: next(i for i, n in enumerate(names) if n.startswith(prefix))
     assert names[:2] == ['tutorials/quickstart', 'tutorials/cancellation'], names[:5]
@@ -110,7 +110,9 @@ def test_sidebar_reads_as_a_book(built, seen):
     assert first('cli') < names.index('core') < names.index('estimate') < names.index('docs') < names.index('testing'), names
     home = (built.out / 'index.html').read_text(encoding='utf-8')
     captions = re.findall(r'<p class="caption" role="heading"><span class="caption-text">([^<]+)</span>', home)
-    assert captions[:3] == ['Tutorials', 'The method', 'Experiments'] and captions[-1].startswith('Internals'), captions
+    assert captions[:4] == ['Tutorials', 'The method', 'Use it with your framework', 'Experiments'], captions
+    assert captions[-1].startswith('Internals'), captions
+    assert names.index('policies') < names.index('lightning') < names.index('hf') < names.index('runs'), names
 
 
 def _ids_and_links(site: Path) -> tuple[dict, list]:
