@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -241,3 +242,46 @@ def test_ddp_gradients_are_synced_and_exact(ddp_ranks):
     kept = [int((a > 0).sum()) for _, a in micro]
     assert all(0 < k < 16 for k in kept), kept
     assert r0['log']['capskip/kept_fraction'] == pytest.approx(sum(kept) / 64)   # summed over both processes
+
+
+# ------------------------------------------------------------- checkpoints and steps with nothing to learn from
+def train_steps(model, data, out, steps, resume=None, **capskip):
+    args = TrainingArguments(str(out), per_device_train_batch_size=16, max_steps=steps, learning_rate=1e-3, use_cpu=True,
+                             report_to=[], logging_steps=1, save_strategy='steps', save_steps=2, disable_tqdm=True, seed=0)
+    trainer = CAPSkipTrainer(model=model, args=args, train_dataset=data, capskip={'budget': 0.09, **capskip})
+    trainer.remove_callback(PrinterCallback)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_a_resumed_run_draws_what_the_uninterrupted_run_draws(bert, tmp_path):
+    "reweight='rw' draws from CAPSkip's generator: checkpoint-2 keeps its state, and resuming from it ends where 4 steps end."
+    base, data = bert
+    whole = train_steps(copy.deepcopy(base), data, tmp_path / 'whole', 4, reweight='rw')
+    saved = torch.load(tmp_path / 'whole' / 'checkpoint-2' / 'capskip_state.pt', weights_only=True)
+    assert not torch.equal(saved['generator'], whole.skip.state_dict()['generator'])   # steps 3-4 drew numbers
+    resumed = train_steps(copy.deepcopy(base), data, tmp_path / 'resumed', 4, resume=str(tmp_path / 'whole' / 'checkpoint-2'),
+                          reweight='rw')
+    assert torch.equal(resumed.skip.state_dict()['generator'], whole.skip.state_dict()['generator'])
+    worst, _ = grad_errors(dict(resumed.model.named_parameters()), dict(whole.model.named_parameters()))
+    assert worst <= 1e-6, worst
+    shutil.copytree(tmp_path / 'whole' / 'checkpoint-2', tmp_path / 'last' / 'checkpoint-2')
+    latest = train_steps(copy.deepcopy(base), data, tmp_path / 'last', 4, resume=True, reweight='rw')   # True: the latest
+    assert torch.equal(latest.skip.state_dict()['generator'], whole.skip.state_dict()['generator'])
+
+
+def test_a_checkpoint_without_capskip_state_warns(bert, tmp_path):
+    base, data = bert
+    train_steps(copy.deepcopy(base), data, tmp_path, 2)
+    (tmp_path / 'checkpoint-2' / 'capskip_state.pt').unlink()
+    with pytest.warns(UserWarning, match=r'holds no capskip_state.pt .*starts from its seed'):
+        train_steps(copy.deepcopy(base), data, tmp_path, 4, resume=str(tmp_path / 'checkpoint-2'))
+
+
+def test_a_step_with_every_label_ignored_learns_nothing(bert, tmp_path):
+    "num_items_in_batch = 0: loss 0, a zero gradient (the Trainer's own 0/0 would be NaN), no error."
+    base, data = bert
+    ignored = [{**row, 'labels': torch.tensor(-100)} for row in data]
+    trainer, got, micro = train_one_step(copy.deepcopy(base), ignored, tmp_path)
+    assert all(float(g.abs().max()) == 0.0 for g in got.values())
+    assert trainer.state.log_history[0]['loss'] == 0.0

@@ -5,15 +5,22 @@
 # %% ../../nbs/12c_hf.ipynb #3156736d
 from __future__ import annotations
 
+import io
+import warnings
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..policies.capskip import CAPSkip
 from ..policies.core import IGNORE_INDEX, StepStats
+from ..runs.runio import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['check_classifier', 'step_counts', 'log_values', 'CAPSkipTrainer']
+__all__ = ['check_classifier', 'step_counts', 'log_values', 'CAPSkipTrainer', 'capskip_state_file', 'load_capskip_state',
+           'SaveCAPSkipState']
 
 # %% ../../nbs/12c_hf.ipynb #196ba83d
 def check_classifier(model: nn.Module) -> None:
@@ -45,6 +52,14 @@ class CAPSkipTrainer(Trainer):
         self.skip: CAPSkip | None = None
         self._skip_model: nn.Module | None = None
         self._counts: Tensor | None = None
+        self._resume_from: str | None = None
+        self.add_callback(SaveCAPSkipState(self))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        "The Trainer's `train`; resuming from a checkpoint also restores CAPSkip's generator state from it."
+        last = resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir)
+        self._resume_from = last or (resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def capskip_for(self, model: nn.Module) -> CAPSkip:
         "The `CAPSkip` on the model the Trainer trains (built at the first training step; rebuilt if the Trainer wraps it anew)."
@@ -53,7 +68,9 @@ class CAPSkipTrainer(Trainer):
             state = None if self.skip is None else self.skip.state_dict()
             if self.skip is not None: self.skip.close()
             self.skip, self._skip_model = CAPSkip(model, **self.capskip_options), model
+            if state is None and self._resume_from: state = load_capskip_state(self._resume_from, self.args)
             if state is not None: self.skip.load_state_dict(state)
+            self._resume_from = None
         return self.skip
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
@@ -66,7 +83,7 @@ class CAPSkipTrainer(Trainer):
                              f'{sorted(inputs)}: set TrainingArguments(label_names=[KEY]) to the key that holds them')
         logits = skip(**inputs)
         by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        loss = skip.loss(logits, denominator=float(num_items_in_batch) if by_items else None)
+        loss = skip.loss(logits, denominator=max(float(num_items_in_batch), 1.0) if by_items else None)   # ≥ 1: see above
         if by_items and self.args.average_tokens_across_devices:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())     # the Trainer's own convention
         self.loss_is_scaled_for_ga = by_items
@@ -82,3 +99,29 @@ class CAPSkipTrainer(Trainer):
             logs.update(log_values(counts))
             self._counts = None
         super().log(logs, *args, **kwargs)
+
+# %% ../../nbs/12c_hf.ipynb #220f1d66
+def capskip_state_file(checkpoint: str | Path, args) -> Path:
+    "Where a Trainer checkpoint keeps this process's CAPSkip state (one file per process, as the Trainer's RNG states)."
+    name = 'capskip_state.pt' if args.world_size <= 1 else f'capskip_state_{args.process_index}.pt'
+    return Path(checkpoint) / name
+
+def load_capskip_state(checkpoint: str | Path, args) -> dict | None:
+    "This process's CAPSkip state saved in `checkpoint` (`weights_only`), or None with one warning when it has none."
+    path = capskip_state_file(checkpoint, args)
+    if not path.exists():
+        warnings.warn(f'{checkpoint} holds no {path.name} (written by a plain Trainer?): CAPSkip\'s random state starts '
+                      f'from its seed instead of where the checkpointed run was', stacklevel=2)
+        return None
+    return torch.load(path, weights_only=True)
+
+class SaveCAPSkipState(TrainerCallback):
+    "Writes the trainer's CAPSkip state (atomically) into each checkpoint the Trainer saves."
+    def __init__(self, trainer): self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        skip = self.trainer.skip
+        if skip is None: return
+        folder = Path(args.output_dir) / f'{PREFIX_CHECKPOINT_DIR}-{state.global_step}'
+        buffer = io.BytesIO(); torch.save(skip.state_dict(), buffer)
+        atomic_write_bytes(capskip_state_file(folder, args), buffer.getvalue())
