@@ -318,7 +318,9 @@ def test_create_splits_by_name(cifar_root):
     assert create_splits('synthetic', n=10, img_size=4, num_classes=2).num_classes == 2
     assert len(create_splits('cifar100', root=cifar_root).val) == 100
     with pytest.raises(ValueError, match='cifar100'): create_splits('mnist')
-    assert list_splits() == ['digits', 'cifar100', 'synthetic'] and list_splits('c*') == ['cifar100']
+    import capskip.runs.text  # noqa: F401  (registers the text data set)
+    assert list_splits() == ['digits', 'cifar100', 'synthetic', 'digits_text'] and list_splits('c*') == ['cifar100']
+    assert list_splits('digits*') == ['digits', 'digits_text']
 
 
 def test_image_rows_validates_inputs():

@@ -160,6 +160,11 @@ for _name, _fields in {
         model_kw={'width': 96}, requires_pretrained=True, base_lr=0.05, base_batch=128, batch_size=64, epochs=3,
         weight_decay=5e-4, schedule='warmup_cosine', warmup_frac=0.05, policy_kw={'budget': DEFAULT_BUDGET},
         seeds=[1, 2, 3, 4, 5, 6], epoch_budgets=[3]),
+    'digits_text': dict(
+        description='The digits read as 65-token sequences, a small Transformer encoder over token ids (capskip.runs.text)',
+        notes='token ids [B, 65] go to the model as its one input; CAPSkip runs reuse (the probe perturbs the embedding output)',
+        data='digits_text', data_kw={}, model='digits_text', base_lr=0.8, base_batch=128, batch_size=64, epochs=20,
+        weight_decay=5e-4, clip_norm=1.0, policy_kw={'budget': DEFAULT_BUDGET}, seeds=[1, 2, 3], epoch_budgets=[10, 20]),
 }.items(): register_recipe(_name, _fields)
 
 def list_recipes(pattern: str = '*') -> list[str]:

@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .data import DIGITS_TEST, DIGITS_VAL, stratified_split
+from .data import DIGITS_TEST, DIGITS_VAL, SPLITS, ImageRows, Splits, stratified_split, warn_no_validation
 
 # %% auto #0
 __all__ = ['DIGITS_PAD', 'DIGITS_CLS', 'DIGITS_OFFSET', 'DIGITS_VOCAB', 'DIGITS_SEQ', 'HF_CONFIGS', 'TokenSplits',
-           'digits_tokens', 'DigitsText', 'hf_model', 'token_spec', 'in_channels', 'example_inputs']
+           'digits_tokens', 'TokenRows', 'digits_text_splits', 'DigitsText', 'hf_model', 'token_spec', 'in_channels',
+           'example_inputs']
 
 # %% ../../nbs/03b_text.ipynb #e97ae59a
 DIGITS_PAD, DIGITS_CLS, DIGITS_OFFSET = 0, 1, 2      # token ids: padding, [CLS], then intensity v as 2 + v
@@ -43,6 +44,25 @@ def digits_tokens(seed: int = 0, n_val: int = DIGITS_VAL) -> TokenSplits:
     val, test, train = stratified_split(labels, [n_val, DIGITS_TEST], seed=seed)
     part = lambda rows: (ids[rows], labels[rows])
     return TokenSplits(part(train), part(val), part(test), 10, DIGITS_VOCAB, DIGITS_SEQ)
+
+# %% ../../nbs/03b_text.ipynb #f5514c05
+class TokenRows(ImageRows):
+    "One split of integer token ids `[N, L]` in memory; item `i` is `(ids_i, y_i, i)`, fetched as `ImageRows` fetches (no augmentation)."
+    def __init__(self, ids: Tensor, labels: Tensor, seed: int = 0):
+        if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f'token ids must be an integer [N, L] tensor, got {ids.dtype} of shape {tuple(ids.shape)}')
+        if len(ids) != len(labels): raise ValueError(f'{len(ids)} sequences but {len(labels)} labels')
+        self.images, self.labels = ids, torch.as_tensor(labels).long()
+        self.transform, self.seed, self.epoch = None, seed, 0
+
+@SPLITS.register('digits_text')
+def digits_text_splits(seed: int = 0, n_val: int = DIGITS_VAL) -> Splits:
+    "`digits_tokens` as the runner's splits of `TokenRows` (`in_chans` 0: the rows are not images)."
+    text = digits_tokens(seed, n_val)
+    if n_val == 0: warn_no_validation('digits_text n_val=0')
+    part = lambda split: TokenRows(*split, seed=seed)
+    return Splits(part(text.train), part(text.val), part(text.test), num_classes=text.num_classes, in_chans=0,
+                  classes=[str(d) for d in range(10)])
 
 # %% ../../nbs/03b_text.ipynb #dc44661a
 class DigitsText(nn.Module):
