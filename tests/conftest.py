@@ -1,4 +1,6 @@
-"""Test-session settings: property tests draw the same examples on every CI run (derandomised), and explore freely elsewhere."""
+"""Test-session settings: property tests draw the same examples on every CI run (derandomised), and explore freely
+elsewhere; the notebooks that `tests/test_notebooks_rerun.py` executes start in the background once the tests are
+collected, so the kernels run beside the other tests."""
 import os
 
 from hypothesis import settings
@@ -6,3 +8,20 @@ from hypothesis import settings
 settings.register_profile('ci', derandomize=True, print_blob=True)
 if os.environ.get('CI'):
     settings.load_profile('ci')
+
+
+def _notebook_items(session) -> list:
+    return [item for item in session.items if 'reruns' in getattr(item, 'fixturenames', ()) and hasattr(item, 'callspec')]
+
+
+def pytest_collection_finish(session):
+    items = _notebook_items(session)
+    if not items or session.config.option.collectonly: return
+    module = items[0].module
+    wanted = {item.callspec.params['rel'] for item in items}
+    module.start_reruns([rel for rel in module.EXECUTED if rel in wanted])
+
+
+def pytest_sessionfinish(session):
+    items = _notebook_items(session)
+    if items: items[0].module.stop_reruns()

@@ -16,7 +16,7 @@ def run_ci(tmp_path: Path, test_rc: int) -> subprocess.CompletedProcess:
     repo = tmp_path / 'repo'
     (repo / '.ci').mkdir(parents=True)
     shutil.copy(ROOT / '.ci' / 'run', repo / '.ci' / 'run')
-    (repo / 'README.md').write_text(f'# x\n\n```sh\n. .venv/bin/activate && echo nbdev_test && exit {test_rc}\n```\n')
+    (repo / 'README.md').write_text(f'# x\n\n```sh\n. .venv/bin/activate && echo pytest && exit {test_rc}\n```\n')
     shim = tmp_path / 'bin'
     shim.mkdir()
     python3 = shim / 'python3'   # `python3 -m venv .venv` -> a .venv whose pip and activate do nothing
@@ -30,6 +30,6 @@ def run_ci(tmp_path: Path, test_rc: int) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize('test_rc', [0, 1, 5])
 def test_ci_exit_status_is_the_test_commands(tmp_path, test_rc):
     proc = run_ci(tmp_path, test_rc)
-    assert '+ . .venv/bin/activate && echo nbdev_test' in proc.stdout
+    assert '+ . .venv/bin/activate && echo pytest' in proc.stdout
     assert proc.returncode == test_rc, (proc.stdout, proc.stderr)
     assert ('no tests' in proc.stderr) == (test_rc == 5)

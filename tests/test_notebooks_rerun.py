@@ -1,9 +1,10 @@
-"""Notebooks rerun to what they show, executed the way a reader runs them in JupyterLab: a real Jupyter kernel (where
-`__name__ == '__main__'`), every cell in order (`#| eval: false` and test-flagged cells included, which `nbdev_test`
-skips), with the notebook's own folder as the working directory.
+"""The suite's notebook test: every notebook in `nbs/` executed the way a reader runs it in JupyterLab — a real Jupyter
+kernel (where `__name__ == '__main__'`), every cell in order (`#| eval: false` and test-flagged cells included, which
+`nbdev_test` skips), with the notebook's own folder as the working directory. It runs every cell `nbdev_test` runs and
+more, so the README's test command runs it instead of `nbdev_test` (which stays the quick check of one notebook).
 
-- `test_run_all`: every notebook with a cell `nbdev_test` skips, or one that tests `__name__`, must survive Run All
-  (found by scanning `nbs/`, so a new one is covered; today `08b_bench_step` and `09e_main`).
+- `test_run_all`: every notebook survives Run All: no cell raises (the `#| export` cells, the checks, and the
+  `__main__` blocks that a kernel runs where `nbdev_test` does not, e.g. `08b_bench_step` and `09e_main`).
 - `test_rerun_matches_committed_outputs`: every notebook committed with outputs is re-executed and what its cells
   print is compared with the committed text: the same words, and the same numbers, each within one unit of its last
   printed digit (integers exactly). Not compared: timings (a number followed by s / ms / min), the torch version,
@@ -14,9 +15,10 @@ skips), with the notebook's own folder as the working directory.
   name). Everything else a notebook prints is a claim that must come back on any machine.
 
 The notebooks are executed two at a time, each kernel with one thread (`OMP_NUM_THREADS=1`: two kernels with two threads
-each on a 2-core machine run several times slower than either alone).
+each on a 2-core machine run several times slower than either alone), the tutorials (the slowest) first so that the
+two kernels finish together. They start as soon as pytest has collected the tests (`conftest.py`) and run beside the
+other tests, which mostly keep one core busy: the whole suite takes about the longer of the two, not their sum.
 """
-import configparser
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 import json
@@ -40,66 +42,75 @@ MACHINE = '(measured on this machine)'
 VARIES = re.compile(r'^\s*# varies: \S.{8,}', re.M)      # a reason of a few words, beside the output
 
 
-def _directives(source: str) -> dict:
-    out = {}
-    for line in source.splitlines():
-        if not line.startswith('#|'): break
-        words = line[2:].replace(':', ': ', 1).split()
-        if words: out[words[0].rstrip(':')] = words[1:]
-    return out
+def all_notebooks() -> list[str]:
+    "Every notebook of `nbs/` (relative paths), the tutorials first: each is executed by `test_run_all`."
+    found = [str(p.relative_to(NBS)) for p in sorted(NBS.rglob('*.ipynb'))
+             if '.ipynb_checkpoints' not in p.parts and not p.name.startswith('_')]
+    return sorted(found, key=lambda rel: not rel.startswith('tutorials/'))
 
 
-def _skipped_by_nbdev_test(cell: dict, flags: set) -> bool:
-    d = _directives(''.join(cell['source']))
-    return d.get('eval', [''])[0].lower() == 'false' or bool(flags & d.keys())
+def kernel_env() -> dict:
+    "The kernels' environment: this process's as it is now, one thread each, this interpreter's folder first on PATH."
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
+            'PATH': f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'}   # the kernel spec runs `python`
 
 
-def run_all_notebooks() -> list[str]:
-    "Notebooks whose Run All differs from what `nbdev_test` runs: a cell it skips, or code that tests `__name__`."
-    cfg = configparser.ConfigParser(); cfg.read(ROOT / 'settings.ini')
-    flags = set(cfg['DEFAULT'].get('tst_flags', '').split())
-    found = []
-    for path in sorted(NBS.rglob('*.ipynb')):
-        if '.ipynb_checkpoints' in path.parts or path.name.startswith('_'): continue
-        cells = [c for c in json.loads(path.read_text())['cells'] if c['cell_type'] == 'code']
-        if any(_skipped_by_nbdev_test(c, flags) or re.search(r'\b__name__\s*==', ''.join(c['source'])) for c in cells):
-            found.append(str(path.relative_to(NBS)))
-    return found
-
-
-def execute(rel: str) -> dict:
+def execute(rel: str, env: dict | None = None) -> dict:
     "Run every cell of nbs/`rel` in a fresh Python kernel of this interpreter, from the notebook's folder; the notebook."
     import nbformat
     from nbclient import NotebookClient
     path = NBS / rel
     nb = nbformat.read(path, as_version=4)
-    os.environ['PATH'] = f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'   # the kernel spec runs `python`
+    env = env or kernel_env()
+    os.environ['PATH'] = env['PATH']          # jupyter_client looks the kernel's `python` up on this process's PATH
     client = NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}})
-    client.execute(env={**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'})
+    client.execute(env=env)
     return nb
 
 
 def output_notebooks() -> list[str]:
     "Every notebook committed with outputs (a committed output is a claim)."
-    found = []
-    for path in sorted(NBS.rglob('*.ipynb')):
-        if '.ipynb_checkpoints' in path.parts or path.name.startswith('_'): continue
-        cells = json.loads(path.read_text())['cells']
-        if any(c.get('outputs') for c in cells if c['cell_type'] == 'code'): found.append(str(path.relative_to(NBS)))
-    return found
+    has_outputs = lambda rel: any(c.get('outputs') for c in json.loads((NBS / rel).read_text())['cells'] if c['cell_type'] == 'code')
+    return [rel for rel in all_notebooks() if has_outputs(rel)]
 
 
+EXECUTED = all_notebooks()
 COMPARED = output_notebooks()
-EXECUTED = sorted(set(COMPARED) | set(run_all_notebooks()))
+
+
+_RUNS: dict = {}          # notebook -> Future of its executed notebook (or the exception it raised)
+_POOL: list = []
+
+
+def _run(rel: str, env: dict):
+    try: return json.loads(json.dumps(execute(rel, env)))
+    except Exception as err: return err
+
+
+def start_reruns(rels: list[str]) -> None:
+    """Start executing `rels` in the background, two kernels at a time, in the order given.
+
+    `conftest.py` calls this as soon as the tests are collected, so the kernels run beside the rest of the suite
+    (which mostly keeps one core busy) instead of after it. The environment is taken now, once: a variable a test
+    sets later with `monkeypatch` never reaches a kernel."""
+    if not _POOL: _POOL.append(ThreadPoolExecutor(2, thread_name_prefix='notebook'))
+    env = kernel_env()
+    for rel in rels:
+        if rel not in _RUNS: _RUNS[rel] = _POOL[0].submit(_run, rel, env)
+
+
+def stop_reruns() -> None:
+    "Drop the notebooks not started yet (the session is ending); those running finish."
+    if _POOL: _POOL[0].shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope='session')
-def reruns() -> dict:
-    "Each notebook of `EXECUTED` run once, two at a time: the executed notebook, or the exception it raised."
-    def run(rel):
-        try: return json.loads(json.dumps(execute(rel)))
-        except Exception as err: return err
-    with ThreadPoolExecutor(2) as pool: return dict(zip(EXECUTED, pool.map(run, EXECUTED)))
+def reruns():
+    "The executed notebook `rel` (started in the background by `conftest.py`, or now), or the exception it raised."
+    def get(rel: str):
+        start_reruns([rel])
+        return _RUNS[rel].result()
+    return get
 
 
 def printed(cell: dict) -> str:
@@ -163,19 +174,20 @@ def test_the_comparison_can_fail():
     assert differences(varies('12.5 ms'), varies('99.1 ms')) == [] and not VARIES.search('# varies: x')
 
 
-def test_run_all_finds_the_notebooks_with_main_blocks():
-    found = run_all_notebooks()
-    assert {'08b_bench_step.ipynb', '09e_main.ipynb'} <= set(found), found
+def test_every_notebook_is_executed():
+    "A new notebook is covered without being listed; the two whose `__main__` blocks only a kernel runs are among them."
+    assert len(EXECUTED) >= 80 and {'08b_bench_step.ipynb', '09e_main.ipynb', 'index.ipynb'} <= set(EXECUTED)
+    assert set(COMPARED) <= set(EXECUTED) and EXECUTED[0].startswith('tutorials/')
 
 
 def test_every_notebook_with_outputs_is_compared():
     assert len(COMPARED) >= 60 and {'tutorials/01_quickstart.ipynb', 'tutorials/06_text.ipynb', '00_selector.ipynb'} <= set(COMPARED)
 
 
-@pytest.mark.parametrize('rel', run_all_notebooks())
+@pytest.mark.parametrize('rel', EXECUTED)
 def test_run_all(rel, reruns):
     "Run All in a kernel: no cell raises (nbclient raises CellExecutionError naming the cell)."
-    nb = reruns[rel]
+    nb = reruns(rel)
     if isinstance(nb, Exception): raise nb
     errors = [o for c in nb['cells'] if c['cell_type'] == 'code' for o in c.get('outputs', []) if o['output_type'] == 'error']
     assert not errors, errors
@@ -184,7 +196,7 @@ def test_run_all(rel, reruns):
 @pytest.mark.parametrize('rel', COMPARED)
 def test_rerun_matches_committed_outputs(rel, reruns):
     committed = json.loads((NBS / rel).read_text())
-    rerun = reruns[rel]
+    rerun = reruns(rel)
     if isinstance(rerun, Exception): raise rerun
     problems = differences(committed, rerun)
     assert not problems, f'{rel} reruns to other results than it shows:\n' + '\n'.join(problems)
