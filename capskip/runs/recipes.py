@@ -259,11 +259,14 @@ def resolve_config(recipe: str, overrides: dict | None = None, **fields_) -> Tra
 # %% ../../nbs/05a_recipes.ipynb #4f330f1a
 def recipes_table() -> str:
     "A text table of the registered recipes."
-    head = f'{"recipe":<26} {"data":<9} {"model":<12} {"epochs":>6} {"batch":>5} {"peak lr":>8} {"schedule":<14} {"clip":>4}  description'
+    configs = {name: get_recipe(name) for name in RECIPES}
+    wn, wd, wm = (max(len(h), *(len(v) for v in col)) for h, col in (
+        ('recipe', configs), ('data', [c.data for c in configs.values()]), ('model', [c.model for c in configs.values()])))
+    head = (f'{"recipe":<{wn}} {"data":<{wd}} {"model":<{wm}} {"epochs":>6} {"batch":>5} {"peak lr":>8} {"schedule":<14} '
+            f'{"clip":>4}  description')
     lines = [head, '-' * len(head)]
-    for name in RECIPES:
-        c = get_recipe(name)
+    for name, c in configs.items():
         peak = c.base_lr * c.batch_size / c.base_batch
-        lines.append(f'{name:<26} {c.data:<9} {c.model:<12} {c.epochs:>6} {c.batch_size:>5} {peak:>8.4g} '
+        lines.append(f'{name:<{wn}} {c.data:<{wd}} {c.model:<{wm}} {c.epochs:>6} {c.batch_size:>5} {peak:>8.4g} '
                      f'{c.schedule:<14} {c.clip_norm:>4g}  {c.description}')
     return '\n'.join(lines)
