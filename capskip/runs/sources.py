@@ -222,8 +222,10 @@ RECIPE_SOURCES: dict[str, dict[str, Source]] = {
         'data_kw.img_size': unused('token sequences have no image size'),
         'model': assumption('DigitsText, a 24k-parameter pre-norm encoder over token ids (capskip.runs.text)'),
         'model_kw': assumption('DigitsText\'s defaults (width 48, one layer, 4 heads, no dropout)'),
-        'base_lr': assumption('peak 0.4 at batch 64, from dense runs of seed 1: at 10 epochs 0.2, 0.8 and 1.6 underfit '
-                              '(test 0.71, 0.77, 0.70); at 20 epochs 0.8 reaches 0.90, 1.6 0.79'),
+        'base_lr': assumption('0.8 per 128 rows (peak 0.4 at batch 64), chosen on validation accuracy of dense seed 1 '
+                              '(`capskip train --recipe digits_text --arm dense --seed 1 --epochs E --set base_lr=LR`): '
+                              'at 10 epochs LR 0.2, 0.8, 1.6 give val 0.77, 0.77, 0.79 (all underfit); at 20 epochs 0.8 '
+                              'gives 0.92, 1.6 0.84'),
         'epochs': assumption('20 epochs: SGD needs about twice the epochs Adam does on this encoder (the text tutorial)'),
         'epoch_budgets': assumption('10 and 20 epochs: two budgets give the report its dense accuracy-time envelope'),
         'clip_norm': assumption('global-norm clipping at 1, the usual guard for Transformer training with a large SGD step')}),
