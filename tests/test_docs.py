@@ -1,7 +1,7 @@
 """The docs site: `capskip docs` builds it offline from nbs/, and headless Chromium finds every page working.
 
 One session fixture builds the real site from nbs/ with stored outputs (`--no-execute`: the suite already runs every
-notebook through nbdev_test) and loads every page in a local Chrome/Chromium (`find_chromium`); a small scratch
+notebook, in tests/test_notebooks_rerun.py) and loads every page in a local Chrome/Chromium (`find_chromium`); a small scratch
 project checks the default build (`capskip docs --check`: a notebook stored without outputs is executed — outputs,
 plots, skipped test flags — and one committed with outputs is rendered as stored) and the error path.
 
