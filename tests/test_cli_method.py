@@ -77,3 +77,93 @@ def test_check_refuses_a_model_whose_output_is_not_its_head(monkeypatch, capsys)
     assert check_main(['--model', 'mine', '--batch', '4', '--img', '8']) == 2
     out = capsys.readouterr().out
     assert 'refused' in out and 'followed by `4` (Softmax)' in out and out.strip().splitlines()[-1] == 'max_rel_err=nan'
+
+
+def bn_model(name, c, img):
+    import torch.nn as nn
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, c))
+
+
+def test_check_eval_mode_checks_the_model_in_eval_mode(monkeypatch, capsys):
+    "BatchNorm is refused in train mode; with --eval it reads its running statistics, rows are independent, exact."
+    import capskip.engine.check as check
+    monkeypatch.setattr(method, '_build_model', bn_model)
+    assert check_main(['--model', 'bn', '--batch', '4', '--img', '8']) == 2
+    out = capsys.readouterr().out
+    assert '  train mode  ' in out.splitlines()[0] and 'BatchNorm2d' in out
+    seen = []
+    real = check.gradient_check
+    monkeypatch.setattr(check, 'gradient_check', lambda model, *a: seen.append(model.training) or real(model, *a))
+    assert check_main(['--model', 'bn', '--batch', '4', '--img', '8', '--eval']) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert '  eval mode  ' in out[0] and out[-2] == 'OK' and seen == [False, False]
+    assert any(l.startswith('reuse: exact') for l in out) and any(l.startswith('reforward: exact') for l in out)
+    with pytest.raises(SystemExit) as exc:
+        check_main(['--zoo', '--eval'])
+    assert exc.value.code == 2 and '--eval checks one --model' in capsys.readouterr().err
+
+
+def tiny_bart(tmp_path):
+    transformers = pytest.importorskip('transformers')
+    transformers.BartConfig(vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+                            dropout=0.0, attention_dropout=0.0).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_check_gives_a_bart_classifier_valid_token_ids(tmp_path):
+    "BartForSequenceClassification reads the hidden state at each row's last eos and needs as many eos in every row."
+    import torch
+    from capskip.runs.text import example_inputs, hf_model
+    torch.manual_seed(0)
+    model = hf_model(str(tiny_bart(tmp_path)), 3)
+    raw = example_inputs(model, 6, 32, torch.Generator().manual_seed(0))
+    assert 'eos' in method.plain_forward_error(model, raw)                       # the random ids alone fail, in one line
+    x = method.valid_token_inputs(model, raw)
+    ids, mask = x['input_ids'], x['attention_mask'].bool()
+    eos, pad, last = model.config.eos_token_id, model.config.pad_token_id, mask.sum(1) - 1
+    assert ids.eq(eos).sum(1).tolist() == [1] * 6 and ids[torch.arange(6), last].eq(eos).all()
+    assert not torch.isin(ids[mask], torch.tensor([pad, model.config.bos_token_id])).any() and ids[~mask].eq(pad).all()
+    assert method.plain_forward_error(model, x) is None
+    assert torch.equal(x['attention_mask'], raw['attention_mask']) and not mask.all()   # padded rows kept
+
+
+def test_check_runs_an_hf_bart_config(tmp_path, capsys):
+    path = tiny_bart(tmp_path)
+    assert check_main(['--model', f'hf:{path}', '--batch', '4', '--mode', 'reforward']) == 0
+    out = capsys.readouterr().out
+    assert 'reforward: exact' in out and 'eos' not in out
+
+
+def test_check_turns_a_failing_mode_into_one_line(monkeypatch, capsys):
+    import capskip.engine.check as check
+    real = check.gradient_check
+    def crash(model, x, y, modes, *a):
+        if modes == ('reuse',): raise TypeError('Cannot convert symbols to int\n  a second line')
+        return real(model, x, y, modes, *a)
+    monkeypatch.setattr(check, 'gradient_check', crash)
+    assert check_main(['--model', 'digits_cnn', '--img', '16', '--batch', '4']) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert 'reuse: FAILED (raised TypeError: Cannot convert symbols to int)  max_rel_err nan  global_err nan' in out
+    assert any(l.startswith('reforward: exact') for l in out) and 'a second line' not in '\n'.join(out)
+    assert out[-2].startswith('FAILED: reuse raised an error') and out[-1] == 'max_rel_err=nan'
+
+
+def test_check_a_model_that_cannot_run_or_be_built_is_one_line(monkeypatch, tmp_path, capsys):
+    import torch.nn as nn
+    class Broken(nn.Module):
+        def __init__(self, c):
+            super().__init__(); self.fc = nn.Linear(3, c)
+        def forward(self, x): raise ValueError('All examples must have the same number of <eos> tokens.\nmore')
+    monkeypatch.setattr(method, '_build_model', lambda name, c, img: Broken(c))
+    assert check_main(['--model', 'mine', '--batch', '4', '--img', '8']) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 3 and out[1].startswith("error: the model's own forward fails on the random batch (ValueError: "
+                                               'All examples must have the same number of <eos> tokens.)')
+    assert out[-1] == 'max_rel_err=nan'
+    monkeypatch.setattr(method, '_build_model', lambda name, c, img: (_ for _ in ()).throw(KeyError('model_type')))
+    with pytest.raises(SystemExit) as exc:
+        check_main(['--model', 'hf:mine'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].endswith("could not build --model hf:mine: KeyError: 'model_type'")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 
 from .dispatch import literal_constant
@@ -15,7 +16,7 @@ from .dispatch import literal_constant
 # `--help` and a mistyped flag answer at once.
 
 # %% auto #0
-__all__ = ['select_demo_parser', 'select_demo_main', 'check_parser', 'check_main']
+__all__ = ['select_demo_parser', 'select_demo_main', 'valid_token_inputs', 'plain_forward_error', 'check_parser', 'check_main']
 
 # %% ../../nbs/09a_cli_method.ipynb #e53c03da
 def _digits_model_and_batch(steps: int, batch: int, seed: int):
@@ -90,6 +91,42 @@ def _build_model(name: str, num_classes: int, img: int) -> nn.Module:
     try: return create_model(name, num_classes=num_classes, img_size=img)
     except TypeError: return create_model(name, num_classes=num_classes)
 
+def _one_line(err: BaseException) -> str:
+    "`Type: first line of the message` of an exception (at most 300 characters)."
+    first = (str(err).strip().splitlines() or [''])[0]
+    return f'{type(err).__name__}: {first}'[:300] if first else type(err).__name__
+
+def valid_token_inputs(model, x):
+    "Random token ids made valid for a Hugging Face config: no special id (eos, pad, bos) among the attended tokens, `eos_token_id` at each row's last attended position when the config has one, padding as `pad_token_id`."
+    config = getattr(model, 'config', None)
+    if not isinstance(x, dict) or 'input_ids' not in x or config is None: return x
+    first = lambda v: v[0] if isinstance(v, (list, tuple)) and v else v
+    eos, pad, bos = (first(getattr(config, f'{k}_token_id', None)) for k in ('eos', 'pad', 'bos'))
+    special = {t for t in (eos, pad, bos) if isinstance(t, int)}
+    ids, mask = x['input_ids'].clone(), x['attention_mask']
+    free = next((t for t in range(2, int(getattr(config, 'vocab_size', 0) or 0)) if t not in special), None)
+    attended = mask.bool()
+    if free is not None and special:                     # e.g. BART: eos = 2 is one of the random ids
+        for t in special: ids[attended & (ids == t)] = free
+    if isinstance(pad, int): ids[~attended] = pad
+    if isinstance(eos, int):                             # BART's classifier reads the hidden state at each row's last eos
+        ids[range(len(ids)), attended.sum(1).clamp_min(1) - 1] = eos
+    return {**x, 'input_ids': ids}
+
+def plain_forward_error(model, x) -> str | None:
+    "The one-line error of the model's own forward on `x` (no autograd, buffers restored), or None if it runs."
+    import torch
+    from capskip.engine.check import call_model
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]): call_model(model, x)
+    except Exception as err:
+        return _one_line(err)
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers(): b.copy_(buffers[n])
+    return None
+
 def _zoo(ns) -> int:
     "`capskip check --zoo`: the compatibility table."
     import torch
@@ -119,17 +156,21 @@ def check_parser() -> argparse.ArgumentParser:
                    help='kept fraction of the rows in the partial selections, in (0, 1] (default 0.35, 0.5 with --zoo)')
     p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
     p.add_argument('--num-classes', type=int, default=10, help="classes of the model's head and of the random labels (default %(default)s)")
+    p.add_argument('--eval', action='store_true',
+                   help='check with the model in eval mode (model.eval(): BatchNorm uses its running statistics, dropout '
+                        'and stochastic depth are off), as a fine-tune with frozen normalisation trains (default: train mode)')
     p.add_argument('--device', default='cpu', help='cpu or cuda (default %(default)s)')
     p.add_argument('--seed', type=int, default=0, help='seed of the random batch, its labels and the kept rows (default %(default)s)')
     return p
 
 def check_main(argv: list[str] | None = None) -> int:
-    "`capskip check --model NAME [--mode reuse|reforward|all] [--batch B] [--keep FRACTION] [--img N] [--num-classes C]`, or `capskip check --zoo`"
+    "`capskip check --model NAME [--mode reuse|reforward|all] [--eval] [--batch B] [--keep FRACTION] [--img N] [--num-classes C]`, or `capskip check --zoo`"
     p = check_parser()
     ns = p.parse_args(argv or [])
     if ns.only and not ns.zoo: p.error('--only selects zoo entries: use it with --zoo')
     if not ns.zoo and not ns.model: p.error('pass --model NAME, or --zoo for the compatibility table')
     if ns.zoo and ns.model: p.error('--zoo checks its own architectures: drop --model (or use --only NAME with --zoo)')
+    if ns.zoo and ns.eval: p.error('--eval checks one --model in eval mode; the zoo runs in train mode: drop --eval or use --model')
     ns.batch = (4 if ns.zoo else 8) if ns.batch is None else ns.batch
     ns.keep = (0.5 if ns.zoo else 0.35) if ns.keep is None else ns.keep
     if ns.batch < 2: p.error(f'--batch must be >= 2, got {ns.batch}')
@@ -148,30 +189,47 @@ def check_main(argv: list[str] | None = None) -> int:
     from capskip.engine.types import RowDependenceError
     try:
         device = torch.device(ns.device)
-        model = _build_model(ns.model, ns.num_classes, ns.img).to(device).train()
+        model = _build_model(ns.model, ns.num_classes, ns.img).to(device)
     except (ValueError, RuntimeError) as err:      # an unknown model name or device: one line, exit 2
         p.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except Exception as err:                       # a model whose constructor fails (a bad config.json): one line
+        p.error(f'could not build --model {ns.model}: {_one_line(err)}')
+    model.train(not ns.eval)
     gen = torch.Generator().manual_seed(ns.seed)
     from capskip.runs.text import example_inputs
     x = example_inputs(model, ns.batch, ns.img, gen, device)        # token ids + attention mask for a text model
+    x = valid_token_inputs(model, x)                                 # eos where the config's classifier reads it
     y = torch.randint(0, ns.num_classes, (ns.batch,), generator=gen).to(device)
     modes = ('reuse', 'reforward') if ns.mode == 'all' else (ns.mode,)
     n_params = sum(p.numel() for p in model.parameters())
     print(f'model {ns.model}  params {n_params / 1e6:.2f}M  batch {ns.batch}  keep {ns.keep:g}  img {ns.img}  '
-          f'device {device}  torch {torch.__version__}')
-    try:
-        rows = gradient_check(model, x, y, modes, ns.keep, ns.seed)
-    except (RowDependenceError, HeadError) as err:
-        print(f'refused: {err}')
+          f'device {device}  {"eval" if ns.eval else "train"} mode  torch {torch.__version__}')
+    failure = plain_forward_error(model, x)
+    if failure is not None:                        # the model itself cannot run this batch: not capskip's verdict
+        print(f'error: the model\'s own forward fails on the random batch ({failure}); capskip check builds '
+              f'{"token ids with an attention mask" if isinstance(x, dict) else "standard-normal images"} for it')
         print('max_rel_err=nan')
         return 2
-    print(format_rows(rows))
+    rows, crashed = [], {}
+    for mode in modes:                             # one mode at a time: the same selections, one crash stays one line
+        try:
+            rows += gradient_check(model, x, y, (mode,), ns.keep, ns.seed)
+        except (RowDependenceError, HeadError) as err:
+            print(f'refused: {err}')
+            print('max_rel_err=nan')
+            return 2
+        except Exception as err:                   # plain autograd runs this batch, capskip's mode does not
+            crashed[mode] = _one_line(err)
+    if rows: print(format_rows(rows))
     for mode in modes:
+        if mode in crashed:
+            print(f'{mode}: FAILED (raised {crashed[mode]})  max_rel_err nan  global_err nan'); continue
         status, reason, err, glob = verdict(rows, mode)
         print(f'{mode}: {status}{f" ({reason})" if reason else ""}  max_rel_err {err:.2e}  global_err {glob:.2e}')
     compared = [r for r in rows if r.compared]
-    worst = worst_error(r.max_rel_err for r in compared) if compared else 0.0
+    worst = math.nan if crashed else worst_error(r.max_rel_err for r in compared) if compared else 0.0
     ok = worst <= TOLERANCE
-    print(('OK' if ok else f'FAILED: above the tolerance {TOLERANCE:g}'))
+    print('OK' if ok else f'FAILED: {", ".join(crashed)} raised an error on a batch that plain autograd runs' if crashed
+          else f'FAILED: above the tolerance {TOLERANCE:g}')
     print(f'max_rel_err={worst:.3e}')
     return 0 if ok else 1

@@ -5,6 +5,7 @@
 # %% ../../nbs/01g_facade.ipynb #b53bfb70
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -22,7 +23,7 @@ from .types import MODES, Forward
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['EXECUTORS', 'MAX_CALLS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'Engine']
+__all__ = ['EXECUTORS', 'MAX_CALLS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'fsdp_sharded', 'fsdp_error', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
@@ -63,6 +64,31 @@ def unsynced_error(model: nn.Module) -> RuntimeError:
                         "accelerator.prepare returned) or call it inside the wrapped module's forward; pass "
                         'ddp_check=False if you synchronise gradients yourself')
 
+def fsdp_sharded(model: nn.Module) -> tuple[str, str] | None:
+    "(the FSDP class, the module's name) if torch's FSDP shards `model` or any submodule (FSDP1 wrapper or flat parameter, FSDP2 `fully_shard`), else None."
+    fsdp = sys.modules.get('torch.distributed.fsdp')
+    if fsdp is None: return None                     # nothing is sharded before torch.distributed.fsdp is imported
+    kinds = tuple(c for c in (getattr(fsdp, 'FullyShardedDataParallel', None), getattr(fsdp, 'FSDPModule', None)) if c)
+    state_of = getattr(sys.modules.get('torch.distributed._composable_state'), '_get_module_state', None)
+    flat = lambda t: any(getattr(u, a, False) for u in (t, getattr(t, '_base', None)) for a in ('_is_flat_param', '_fsdp_flattened'))
+    for name, m in model.named_modules():
+        where = f'module `{name}`' if name else 'the model'
+        names = {c.__name__ for c in type(m).__mro__}
+        if isinstance(m, kinds) or names & {'FullyShardedDataParallel', 'FSDPModule'}: return type(m).__name__, where
+        state = state_of(m) if state_of is not None else None
+        if state is not None and 'FSDP' in type(state).__name__: return type(state).__name__, where
+        tensors = list(m._parameters.values()) + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        if any(t is not None and (flat(t) or flat(t.data)) for t in tensors):
+            return 'FullyShardedDataParallel', where    # FSDP1 wrapped it after capskip saw it: flattened parameters
+    return None
+
+def fsdp_error(found: tuple[str, str]) -> ValueError:
+    "The refusal of an FSDP-sharded model (whatever `ddp_check` says)."
+    kind, where = found
+    return ValueError(f'capskip does not support FSDP yet: {where} is sharded by FSDP ({kind}), and a skipped backward '
+                      'there would leave gradients missing or unreduced on each rank; train with DistributedDataParallel '
+                      'instead (CAPSkip(DDP(model))); ddp_check=False does not lift this')
+
 MAX_CALLS = 16   # input structures one Engine keeps graphs for (our choice: a handful of shapes, bounded memory)
 
 class Engine:
@@ -73,6 +99,7 @@ class Engine:
         if mode not in EXECUTORS: raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if logits_fn is not None and not callable(logits_fn): raise TypeError('logits_fn must be a function output -> logits')
         model, compile = uncompiled(model, compile)
+        if (found := fsdp_sharded(model)) is not None: raise fsdp_error(found)
         self.wrapper, model = data_parallel_wrapper(model)   # DDP: its forward runs around ours, its reducer syncs
         self.model, self.mode, self.compile, self.ddp_check = model, mode, bool(compile), bool(ddp_check)
         self.head_arg, self.logits_fn = head, logits_fn
@@ -81,6 +108,7 @@ class Engine:
         self.calls: dict = {}                            # InputSpec.key -> (ModelCall, its HeadCapture, its executor)
         self.not_logits: set = set()                     # signatures of one-tensor calls whose output is not a tensor
         self.last_capture = self.capture
+        self.fsdp_checked = False                        # sharded after construction: refused at the first forward
 
     @property
     def head(self) -> nn.Module:
@@ -140,6 +168,9 @@ class Engine:
 
     def forward(self, *args, **kwargs) -> Forward:
         "One forward of all rows (`engine.forward(x)`, or the model's own arguments, keywords included): `.logits` and `.features` from the same pass."
+        if not self.fsdp_checked:
+            if (found := fsdp_sharded(self.model if self.wrapper is None else self.wrapper)) is not None: raise fsdp_error(found)
+            self.fsdp_checked = True
         if self.wrapper is None:
             if self.ddp_check and torch.is_grad_enabled() and unsynced_forward(): raise unsynced_error(self.model)
             fwd = self._forward(args, kwargs)
