@@ -137,3 +137,93 @@ def test_a_forward_without_autograd_cannot_be_back_propagated(mode):
         engine.loss_backward(fwd, y)
     assert all(p.grad is None for p in model.parameters())
     engine.loss_backward(engine.forward(x), y)                           # with gradients on, it works
+
+
+class GatheredHead(nn.Module):
+    "A decoder classifier's pooling: the head on every token, its output taken at each row's last positive token."
+    def __init__(self, after=None):
+        super().__init__()
+        self.embed, self.fc, self.after = nn.Linear(4, 8), nn.Linear(8, 3), after
+
+    @staticmethod
+    def last(x): return (x[:, :, 0] > 0).long().cumsum(1).argmax(1)
+
+    def forward(self, x):                                                 # x: [B, T, 4]
+        z = self.fc(torch.tanh(self.embed(x)))
+        if self.after is not None: z = self.after(z)
+        return z[torch.arange(x.shape[0]), self.last(x)]
+
+
+def gathered_data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 6, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_gathered_head_gives_the_gathered_features_and_the_exact_gradient(mode):
+    torch.manual_seed(0)
+    model = GatheredHead()
+    x, y = gathered_data()
+    engine = Engine(model, mode)
+    for w in (torch.tensor([1., 0, 1, 1, 0, 0, 1, 0]), torch.tensor([0., 0, 0, 0, 0, 2, 0, 0]), None):
+        ref = autograd_grads(model, x, y, w)
+        model.zero_grad(set_to_none=True)
+        fwd = engine.forward(x)
+        want = torch.tanh(model.embed(x))[torch.arange(8), GatheredHead.last(x)].detach()
+        torch.testing.assert_close(fwd.features, want)                   # the head's input at the gathered positions
+        torch.testing.assert_close(fwd.logits, model(x).detach())
+        assert engine.loss_backward(fwd, y, w) == (8 if w is None else int((w > 0).sum()))
+        err, glob = grad_errors(model_grads(model), ref)
+        assert err <= 1e-5 and glob <= 1e-5, f'{mode} {w}: {err:.2e} {glob:.2e}'
+    assert engine.head is model.fc and engine.capture.gathered
+    if mode == 'reuse':
+        from capskip.engine.reuse import cached_traces
+        assert all(not isinstance(e, str) and e.fallback_reason is None for e in cached_traces(model))
+    engine.close()
+    assert model(x).shape == (8, 3)                                      # the hooks are gone: the model is as it was
+
+
+class Classes(nn.Module):
+    "Code after the head that depends on the number of classes."
+    def forward(self, z): return z.view(z.shape[0], z.shape[1], 3)
+
+
+def test_a_gathered_head_whose_output_cannot_carry_its_input_is_refused_in_one_line():
+    x, _ = gathered_data()
+    with pytest.raises(HeadError) as err:
+        Engine(GatheredHead(Classes()), 'reuse').forward(x)
+    msg = str(err.value)
+    assert '\n' not in msg and '`fc` (Linear) gathered' in msg and 'cannot be gathered' in msg
+    assert 'head(h[torch.arange(B), idx])' in msg
+    with pytest.raises(HeadError, match='followed by'):                  # not a gather: refused as before
+        Engine(GatheredHead(Temperature()), 'masked').forward(x)
+
+
+def test_a_model_without_linear_is_refused_naming_the_constructor_the_user_called():
+    import torchvision
+    import capskip
+    model = torchvision.models.squeezenet1_0(num_classes=10)
+    with pytest.raises(ValueError) as err:
+        capskip.CAPSkip(model)
+    msg = str(err.value)
+    assert 'SqueezeNet has no nn.Linear' in msg and 'CAPSkip(model, head=' in msg and 'Engine' not in msg
+    with pytest.raises(ValueError, match=r'pass Engine\(model, head='):
+        Engine(model)
+
+
+def test_two_engines_on_one_gathered_head_each_get_the_gathered_features():
+    "A second Engine (or CAPSkip) on the same model, the first not closed: the head's output is carried once per forward."
+    torch.manual_seed(0)
+    model = GatheredHead()
+    x, y = gathered_data()
+    first, second = Engine(model, 'masked'), Engine(model, 'reuse')
+    want = torch.tanh(model.embed(x))[torch.arange(8), GatheredHead.last(x)].detach()
+    for engine in (first, second, first):
+        fwd = engine.forward(x)
+        torch.testing.assert_close(fwd.features, want)
+        torch.testing.assert_close(fwd.logits, model(x).detach())
+    w = torch.tensor([0., 1, 1, 0, 0, 0, 1, 0])
+    ref = autograd_grads(model, x, y, w)
+    model.zero_grad(set_to_none=True)
+    assert second.loss_backward(second.forward(x), y, w) == 3
+    assert max(grad_errors(model_grads(model), ref)) <= 1e-5

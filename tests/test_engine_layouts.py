@@ -144,3 +144,80 @@ def test_graph_layouts_propagate_through_views():
     env = graph_layouts(fw, sym_expr(xn.meta['val'].shape[0]), xn)
     kinds = {l[0] for l in env.values() if isinstance(l, tuple)}
     assert 'unknown' not in kinds and {'batch', 'merged', 'static', 'sym'} <= kinds
+
+
+class RowGather(nn.Module):
+    "A per-row gather in the forward, then the head: `h[arange(B), idx]` (flat=True: the same through `arange(B) * T + idx`)."
+    def __init__(self, flat=False):
+        super().__init__()
+        self.embed, self.fc, self.flat = nn.Linear(4, 8), nn.Linear(8, 3), flat
+
+    def forward(self, x):                                                 # x: [B, T, 4]
+        h = torch.tanh(self.embed(x))
+        idx = (x[:, :, 0] > 0).long().cumsum(1).argmax(1)
+        rows = torch.arange(x.shape[0], device=x.device)
+        if self.flat: return self.fc(h.reshape(-1, h.shape[-1])[rows * h.shape[1] + idx])
+        return self.fc(h[rows, idx])
+
+
+GATHER_KEEPS = {'k=3': torch.tensor([0., 0, 1, 0, 0, 0, 1, 1]), 'k=1': torch.tensor([0., 0, 0, 0, 0, 0, 0, 3]),
+                'k=5 weighted': torch.tensor([2., 0, 1, 0.5, 1, 0, 1, 0]), 'k=B': None}
+
+
+def sliced_rows(monkeypatch) -> list:
+    import capskip.engine.reuse as reuse
+    seen, real = [], reuse._bw_args
+    monkeypatch.setattr(reuse, '_bw_args', lambda tr, specs, saved, tangent, rows:
+                        seen.append((tangent.shape[0], rows is not None)) or real(tr, specs, saved, tangent, rows))
+    return seen
+
+
+def test_a_per_row_gather_in_the_forward_is_exact_in_reuse_on_the_kept_rows(monkeypatch):
+    "The saved arange(B) of the gather's backward is renumbered for the kept rows, not row-sliced (it kept rows 6, 7 of 8)."
+    torch.manual_seed(0)
+    model = RowGather()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    seen = sliced_rows(monkeypatch)
+    engine = Engine(model, 'reuse')
+    for case, w in GATHER_KEEPS.items():
+        ref = autograd_grads(model, x, y, w)
+        seen.clear()
+        kept, got = engine_grads(engine, x, y, w)
+        assert kept == (8 if w is None else int((w > 0).sum()))
+        err, glob = grad_errors(got, ref)
+        assert err <= 1e-5 and glob <= 1e-5, f'{case}: {err:.2e} {glob:.2e}'
+        assert seen == [(8 if kept == 8 else max(kept, 2), kept < 8)], (case, seen)   # sliced: only the kept rows
+    traced, = cached_traces(model)
+    assert traced.fallback_reason is None and ('arange', 0) in {s[2] for s in traced.bw_inputs if s[0] == 'saved'}
+
+
+def test_an_index_computed_from_the_row_numbers_runs_the_backward_over_all_rows_exactly():
+    "`arange(B) * T + idx` holds the original row numbers: sliced it would scatter to the wrong rows, so it is not sliced."
+    torch.manual_seed(0)
+    model = RowGather(flat=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    w = GATHER_KEEPS['k=3']
+    ref = autograd_grads(model, x, y, w)
+    with pytest.warns(RuntimeWarning, match='row numbers'):
+        kept, got = engine_grads(Engine(model, 'reuse'), x, y, w)
+    assert kept == 3 and max(grad_errors(got, ref)) <= 1e-5
+    traced, = cached_traces(model)
+    assert 'computes with the row numbers' in traced.fallback_reason
+
+
+def test_row_numbers_keep_their_layout_through_views_and_are_renumbered():
+    from capskip.engine.layouts import renumbered
+    torch.manual_seed(0)
+    model = RowGather()
+    x = torch.randn(6, 5, 4)
+    dyn, ins, fw, bw, xc = _aot._capture(model, HeadCapture(model.fc), x)
+    xn = [n for n, v in zip([n for n in fw.graph.nodes if n.op == 'placeholder'], ins) if v is xc][0]
+    env = graph_layouts(fw, sym_expr(xn.meta['val'].shape[0]), xn)
+    aranges = [n for n in fw.graph.nodes if n.target is torch.ops.aten.arange.default]
+    assert aranges and all(env[n] == ('arange', 0) for n in aranges)
+    index = [n for n in fw.graph.nodes if n.target is torch.ops.aten.index.Tensor]
+    assert index and all(env[n] == ('batch', 0) for n in index)       # gathered by the numbers: ordinary rows
+    saved = torch.arange(6)[:, None].expand(6, 5)                        # [B, T] row numbers along dim 0
+    torch.testing.assert_close(renumbered(saved, ('arange', 0), 3), torch.arange(3)[:, None].expand(3, 5))

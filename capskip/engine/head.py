@@ -5,22 +5,36 @@
 # %% ../../nbs/01b_head.ipynb #2bdf8843
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
+import weakref
 from collections import deque
 
 import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'passes_through', 'ops_between',
-           'head_call', 'locate_head', 'HeadCapture']
+__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'passes_through',
+           'gathered_through', 'carry', 'split_carried', 'ops_between', 'head_call', 'locate_head', 'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
+_BUILDER = contextvars.ContextVar('capskip_builder', default='Engine')
+
+@contextlib.contextmanager
+def built_by(name: str):
+    "Within it, refusals name `name` (e.g. `CAPSkip`) as the constructor to pass `head=` to (the user's call, not `Engine`)."
+    token = _BUILDER.set(name)
+    try: yield
+    finally: _BUILDER.reset(token)
+
 def find_head(model: nn.Module) -> nn.Linear:
     "A guess before any forward: the model's last registered `nn.Linear` (`locate_head` finds and verifies the real head)."
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError(f'{type(model).__name__} has no nn.Linear: pass head=<the final affine module> to Engine')
+        raise ValueError(f'{type(model).__name__} has no nn.Linear, and CAPSkip budgets the gradient of the affine head '
+                         f'whose output the model returns: pass {_BUILDER.get()}(model, head=<that module>), or end the '
+                         'model with an nn.Linear classifier')
     return linears[-1]
 
 def resolve_head(model: nn.Module, head: nn.Module | None = None) -> nn.Module:
@@ -54,6 +68,33 @@ def passes_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
         if len(nxt) != 1: return False
         node = nxt[0]
     return True
+
+GATHER_OPS = {'IndexBackward0', 'SelectBackward0', 'IndexSelectBackward0', 'SliceBackward0'}
+
+def gathered_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
+    "Whether `out` [B, C] is `head_out` [..., C] indexed on its leading dims: `PASS_THROUGH` ops and at least one of `GATHER_OPS` (autograd graph)."
+    if out.ndim != 2 or head_out.ndim < 2 or out.shape[-1] != head_out.shape[-1]: return False
+    node, target, gathers = out.grad_fn, head_out.grad_fn, 0
+    if node is None or target is None: return False
+    while node is not target:
+        if node is None: return False
+        if node.name() in GATHER_OPS: gathers += 1
+        elif node.name() not in PASS_THROUGH: return False
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        if len(nxt) != 1: return False
+        node = nxt[0]
+    return gathers > 0
+
+def carry(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    "The head's output with its (detached) input appended on the last dim, in one dtype: what gathers the output's leading dims gathers the input too."
+    dtype = torch.promote_types(out.dtype, inp.dtype)
+    return torch.cat([out.to(dtype), inp.detach().to(dtype)], -1)
+
+def split_carried(z: torch.Tensor, classes: int, out_dtype: torch.dtype, in_dtype: torch.dtype) -> tuple:
+    "(logits, features) of a carried output `z` [B, C + d]: its first `classes` columns (in the head's dtype unless cast after), the rest detached; copies, not views of `z`."
+    cast = z.dtype == torch.promote_types(out_dtype, in_dtype) and z.dtype != out_dtype
+    logits = z[..., :classes].to(out_dtype if cast else z.dtype, copy=True)      # copies: no output aliases another
+    return logits, z[..., classes:].detach().to(in_dtype, copy=True)
 
 def ops_between(out: torch.Tensor, head_out: torch.Tensor) -> list | None:
     "The autograd nodes from `head_out` to `out` (forward order, `head_out`'s excluded); None if `out` does not depend on it."
@@ -92,8 +133,66 @@ def _what_follows(out, head_out, calls: list, names: dict, model: nn.Module) -> 
         if part not in parts: parts.append(part)
     return 'it is followed by ' + ', '.join(parts)
 
-def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple[nn.Module, int, int]:
-    "The head on `x` (as `locate_head`), which of its calls in the forward made the model's output (0-based), and how many calls it had."
+class _Carrier:
+    "What every capture (`HeadCapture`) on one head shares: the call carried in this forward, the features split off it, and whether a verification runs."
+    def __init__(self): self.carried, self.feats, self.paused = None, None, 0
+
+_CARRIERS: 'weakref.WeakKeyDictionary[nn.Module, _Carrier]' = weakref.WeakKeyDictionary()
+
+def _carried_forward(model: nn.Module, xin: torch.Tensor, head: nn.Module, call: int, devices: list):
+    "The model's output on `xin` with the head's call `call` carrying its input (`carry`), and the head's (output, input) there."
+    seen, got = [0], {}
+    def hook(m, inputs, output):
+        seen[0] += 1
+        if seen[0] - 1 != call: return None
+        got['out'], got['in'] = output, inputs[0]
+        return carry(output, inputs[0])
+    handle = head.register_forward_hook(hook)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            return model(xin), got
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers: b.copy_(buffers[n])
+
+def _check_gathered(model, xin, m, k, out, head_out, feats, devices, names) -> None:
+    "Refuse (`HeadError`) unless carrying the head's input through the forward gives the logits and, as features, inputs whose Σ_i g_i h_iᵀ is the head's gradient."
+    what = f"the model's output is the output of its head {_describe(m, names)} gathered at some positions"
+    try: z, got = _carried_forward(model, xin, m, k, devices)
+    except Exception as err:                             # the code after the head depends on the number of classes
+        z, got, why = None, {}, f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
+    C, d = out.shape[-1], feats.shape[-1]
+    if z is not None:
+        why = (None if isinstance(z, torch.Tensor) and tuple(z.shape) == (out.shape[0], C + d) and 'out' in got
+               else f'its output came back as {tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__}')
+    if why is None:
+        logits, fz = split_carried(z, C, got['out'].dtype, got['in'].dtype)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(out.device)
+        go = torch.autograd.grad(out, head_out, g.to(out.dtype), retain_graph=True)[0].double()
+        want = go.reshape(-1, C).T @ feats.detach().double().reshape(-1, d)       # the head's weight gradient
+        have = g.T @ fz.double()
+        scale = float(want.abs().max()) or 1.0
+        if not torch.allclose(logits.double(), out.detach().double(), rtol=1e-4, atol=1e-6):
+            why = 'the logits changed when the head\'s input was carried with them'
+        elif not torch.allclose(have, want, rtol=1e-3, atol=1e-4 * scale):
+            why = 'the gathered inputs do not give the head\'s gradient'
+    if why is not None:
+        raise HeadError(f'{what}, but the features cannot be gathered with the logits ({why}): apply the head to the '
+                        'gathered features instead (head(h[torch.arange(B), idx])), or pass head=<the affine module whose '
+                        'output the model returns>')
+
+def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple[nn.Module, int, int, bool]:
+    "The head on `x` (as `locate_head`), which of its calls in the forward made the model's output (0-based), how many calls it had, and whether the output is its output gathered."
+    pauses = [_CARRIERS[m] for m in model.modules() if m in _CARRIERS]
+    for shared in pauses: shared.paused += 1             # captures hooked on the model store, never carry, meanwhile
+    try: return _head_call(model, x, head)
+    finally:
+        for shared in pauses: shared.paused -= 1; shared.carried = shared.feats = None
+
+def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple:
     xin = (x[:2] if x.shape[0] >= 2 else x).detach().clone()
     if xin.is_floating_point(): xin.requires_grad_(True)     # an autograd graph to follow, even with frozen weights
     calls: list = []
@@ -131,7 +230,16 @@ def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) 
         if feats is None or feats.ndim != 2:
             raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))}; '
                             'the selector needs features [B, d]: apply the head to pooled features')
-        return m, k, seen[m]
+        return m, k, seen[m], False
+    gathered = [(m, i, o, k) for m, i, o, k in cands if gathered_through(out, o)]
+    if gathered:                                         # e.g. logits[arange(B), last]: a decoder classifier's pooling
+        m, inputs, o, k = gathered[-1]
+        feats = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if feats is None or tuple(feats.shape[:-1]) != tuple(o.shape[:-1]):
+            raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))} '
+                            f'for an output of shape {tuple(o.shape)}: apply the head to pooled features')
+        _check_gathered(model, xin, m, k, out, o, feats, devices, names)
+        return m, k, seen[m], True
     m, _, o, _ = cands[-1]
     raise HeadError(f"the model's output is not the output of its head {_describe(m, names)}: "
                     f'{_what_follows(out, o, calls, names, model)}, so the selector would budget the head\'s gradient as '
@@ -146,8 +254,10 @@ def locate_head(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None
 class HeadCapture:
     "A forward hook on `head` keeping its (detached) input; with `model`, `verify(x)` finds/verifies the head per input signature, follows its replacement, and picks the call that makes the logits."
     def __init__(self, head: nn.Module, model: nn.Module | None = None, explicit: bool = True):
-        self.head, self.value, self.model, self.explicit, self.verified = head, None, model, explicit, set()
+        self.head, self.value, self.model, self.explicit, self.verified = head, None, model, explicit, {}
         self.call, self.calls = None, 0                  # the head's call that makes the logits (None: the last); calls so far
+        self.gathered, self._split_hook = False, None    # gathered heads (below)
+        self.shared = _CARRIERS.setdefault(head, _Carrier())   # one head carried once per forward, whatever hooks it
         self._handle, self._reset = head.register_forward_hook(self._store), None
         self.path = self._path_of(head)
 
@@ -157,19 +267,40 @@ class HeadCapture:
         return next((n for n, m in self.model.named_modules() if m is module), None)
 
     def _store(self, module, inputs, output):
-        if self.call is None: self.value = inputs[0].detach(); return
-        if self.calls == self.call: self.value = inputs[0].detach()
-        self.calls += 1
+        mine = self.call is None or self.calls == self.call
+        if self.call is not None: self.calls += 1
+        if not mine: return None
+        shared = self.shared
+        if not self.gathered or shared.paused: self.value = inputs[0].detach(); return None
+        if shared.carried is not None: return None       # another capture on this head (another engine) carries it
+        shared.carried = (output.shape[-1], output.dtype, inputs[0].dtype)
+        return carry(output, inputs[0])                  # the model's gather takes the head's input along
+
+    def _split(self, module, inputs, output):
+        "The model's forward hook for a gathered head: the logits, and the carried columns as the features."
+        shared = self.shared
+        if shared.paused or not isinstance(output, torch.Tensor): return None
+        if shared.carried is None:                       # split already, by a capture on an inner module or an older one
+            if shared.feats is not None: self.value = shared.feats
+            return None
+        (classes, out_dtype, in_dtype), shared.carried = shared.carried, None
+        logits, shared.feats = split_carried(output, classes, out_dtype, in_dtype)
+        self.value = shared.feats
+        return logits
 
     def _begin(self, module, inputs):
         self.calls = 0
+        if self.gathered: self.shared.carried = self.shared.feats = None
 
-    def _hook(self, head: nn.Module, call: int | None) -> None:
-        "Move the hook to `head` (its call `call` makes the logits; None: its last call)."
+    def _hook(self, head: nn.Module, call: int | None, gathered: bool = False) -> None:
+        "Move the hook to `head` (its call `call` makes the logits; None: its last call; `gathered`: its output is gathered)."
         if head is not self.head:
             self._handle.remove()
             self.head, self._handle, self.path = head, head.register_forward_hook(self._store), self._path_of(head)
-        self.call = call
+            self.shared = _CARRIERS.setdefault(head, _Carrier())
+        self.call, self.gathered = call, gathered
+        if gathered and self._split_hook is None: self._split_hook = self.model.register_forward_hook(self._split)
+        if not gathered and self._split_hook is not None: self._split_hook.remove(); self._split_hook = None
         if call is not None and self._reset is None: self._reset = self.model.register_forward_pre_hook(self._begin)
         if call is None and self._reset is not None: self._reset.remove(); self._reset = None
 
@@ -196,19 +327,26 @@ class HeadCapture:
             old = self._describe()
             if isinstance(now, nn.Module): self._hook(now, None)
             if self.explicit:
-                try: head, call, n = head_call(self.model, x, self.head)
+                try: found = self._head_call(x, self.head)
                 except HeadError as err:
                     raise HeadError(f'the head {old} given as head= was replaced after the Engine was built, by '
                                     f'{type(now).__name__}, and that is not a head: {err}') from None
-                return self._verified(x, head, call, n)
+                return self._verified(x, *found)
         sig = (tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
-        if sig in self.verified: return
-        self._verified(x, *head_call(self.model, x, self.head if self.explicit else None))
+        if sig in self.verified:
+            if self.verified[sig] != (self.head, self.call, self.gathered): self._hook(*self.verified[sig])
+            return
+        self._verified(x, *self._head_call(x, self.head if self.explicit else None))
 
-    def _verified(self, x: torch.Tensor, head: nn.Module, call: int, n: int) -> None:
+    def _head_call(self, x: torch.Tensor, head: nn.Module | None) -> tuple:
+        "`head_call` on the model (every capture's carrying stands aside there), the capture left empty."
+        try: return head_call(self.model, x, head)
+        finally: self.value = None
+
+    def _verified(self, x: torch.Tensor, head: nn.Module, call: int, n: int, gathered: bool = False) -> None:
         self.value = None
-        self._hook(head, None if call == n - 1 else call)
-        self.verified.add((tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training))
+        self._hook(head, None if call == n - 1 and not gathered else call, gathered)
+        self.verified[(tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)] = (self.head, self.call, self.gathered)
 
     def take(self) -> torch.Tensor:
         "The captured features, once (the capture is empty afterwards)."
@@ -226,3 +364,4 @@ class HeadCapture:
         "Remove the hooks."
         self._handle.remove()
         if self._reset is not None: self._reset.remove(); self._reset = None
+        if self._split_hook is not None: self._split_hook.remove(); self._split_hook = None

@@ -11,7 +11,8 @@ import torch
 import torch.fx as fx
 
 # %% auto #0
-__all__ = ['VIEW_OPS', 'STRIDED_OPS', 'sym_expr', 'make_layout', 'factors', 'is_rows', 'row_index', 'rows_of', 'view_layout',
+__all__ = ['VIEW_OPS', 'STRIDED_OPS', 'ARANGE_OPS', 'NUMBER_KEEPING_OPS', 'INDEX_OPS', 'sym_expr', 'make_layout', 'factors',
+           'is_rows', 'row_index', 'rows_of', 'view_layout', 'is_batch_arange', 'renumbered', 'data_dependent',
            'restrides_only', 'graph_layouts']
 
 # %% ../../nbs/01i_layouts.ipynb #8f7f31fa
@@ -30,8 +31,8 @@ def make_layout(d: int, a: int = 1, c: int = 1) -> tuple:
     return ('batch', d) if a == 1 and c == 1 else ('merged', d, a, c)
 
 def factors(layout: tuple) -> tuple[int, int, int]:
-    "(dim, a, c) of a 'batch' or 'merged' layout."
-    return (layout[1], 1, 1) if layout[0] == 'batch' else tuple(layout[1:4])
+    "(dim, a, c) of a 'batch', 'merged' (or 'arange': one number per row along dim d) layout."
+    return (layout[1], 1, 1) if layout[0] in ('batch', 'arange') else tuple(layout[1:4])
 
 def is_rows(layout) -> bool:
     "Whether `layout` says where the rows are (a 'batch' or 'merged' layout)."
@@ -76,6 +77,30 @@ def view_layout(in_dims: list, layout: tuple, out_dims: list, batch) -> tuple:
     if not getattr(ratio, 'is_Integer', False) or inner % P or (int(ratio) * P) % inner: return why
     return make_layout(j, int(ratio) * P // inner, inner // P)
 
+# %% ../../nbs/01i_layouts.ipynb #a7c1e302
+ARANGE_OPS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
+NUMBER_KEEPING_OPS = VIEW_OPS | {torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+                                 torch.ops.aten.squeeze.default, torch.ops.aten.expand.default, torch.ops.aten._to_copy.default,
+                                 torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+INDEX_OPS = {torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor, torch.ops.aten.index_select.default}
+
+def is_batch_arange(n: fx.Node, batch) -> bool:
+    "Whether the node `n` computes `arange(B)` — 0, 1, …, B−1 over the symbolic batch size `batch`."
+    if n.op != 'call_function' or n.target not in ARANGE_OPS: return False
+    args = [sym_expr(a.meta.get('val')) if isinstance(a, fx.Node) else a for a in n.args]
+    start, end, step = (0, args[0], 1) if n.target is torch.ops.aten.arange.default else tuple(args + [1])[:3]
+    return start == 0 and step == 1 and end == batch
+
+def renumbered(t: torch.Tensor, layout: tuple, k: int) -> torch.Tensor:
+    "What a saved `('arange', d)` value `t` is on `k` kept rows: 0, …, k−1 along dim d, broadcast to `t`'s other dims."
+    d, shape, view = layout[1], list(t.shape), [1] * t.ndim
+    shape[d] = view[d] = k
+    return torch.arange(k, dtype=t.dtype, device=t.device).view(view).expand(shape)
+
+def data_dependent(expr, batch) -> bool:
+    "Whether a size expression has a symbol other than the batch's (an unbacked size: a mask's count, `nonzero`)."
+    return bool(set(getattr(expr, 'free_symbols', ())) - {batch})
+
 # %% ../../nbs/01i_layouts.ipynb #f8a006c7
 def restrides_only(args: tuple, val) -> bool:
     "Whether `as_strided(t, size, stride, offset)` keeps every value of `t` in place: same shape and offset, same strides wherever a dim is > 1."
@@ -87,9 +112,14 @@ def restrides_only(args: tuple, val) -> bool:
 
 def _value_layout(val, batch, op, inputs: list, args: tuple = ()) -> tuple:
     "The layout of one output value `val` of `op` (arguments `args`), from its tensor inputs' [(layout, dims)]."
-    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool): return ('sym', sym_expr(val))
+    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+        if data_dependent(sym_expr(val), batch):
+            return ('unknown', f'{op}: a size {sym_expr(val)} that depends on the values in the batch')
+        return ('sym', sym_expr(val))
     if not isinstance(val, torch.Tensor): return ('static',)
     dims = _dims(val)
+    if any(data_dependent(e, batch) for e in dims):
+        return ('unknown', f'{op}: shape {tuple(dims)} depends on the values in the batch')
     carrying = _carrying(dims, batch)
     if not carrying: return ('static',)
     if len(carrying) > 1: return ('unknown', f'{op}: batch size in several dims of shape {tuple(dims)}')
@@ -117,17 +147,34 @@ def _arg_nodes(args) -> list[fx.Node]:
         elif isinstance(a, dict): out.extend(_arg_nodes(list(a.values())))
     return out
 
+def _numbers(n: fx.Node, op, lay: tuple, args: list, env: dict, numbered: dict) -> tuple:
+    "The layout of `n` given that some of its inputs are (or are computed from) the row numbers; records `numbered`."
+    from_numbers = [a for a in args if a in numbered or (isinstance(env.get(a), tuple) and env[a][0] == 'arange')]
+    if not from_numbers: return lay
+    if op in INDEX_OPS and n.args and n.args[0] not in from_numbers: return lay   # gathered by the numbers: plain rows
+    if (op in NUMBER_KEEPING_OPS and len(from_numbers) == 1 and from_numbers[0] not in numbered
+            and lay[0] == 'batch'): return ('arange', lay[1])
+    numbered[n] = next((numbered[a] for a in from_numbers if a in numbered), str(op))
+    return lay
+
 def graph_layouts(gm: fx.GraphModule, batch, x_node: fx.Node) -> dict:
     "The layout of every node's value in `gm` (a list of layouts for multi-output nodes), propagated from the input `x_node`."
     env: dict = {}
+    numbered: dict = {}                                  # node -> the op that first computed with the row numbers
     for n in gm.graph.nodes:
         if n.op == 'output': continue
         if n is x_node: env[n] = make_layout(0); continue
         if n.op == 'call_function' and n.target is operator.getitem and isinstance(env.get(n.args[0]), list):
             env[n] = env[n.args[0]][n.args[1]]; continue
-        inputs = [(env[a], _dims(a.meta['val'])) for a in _arg_nodes(list(n.args) + list(n.kwargs.values()))
+        if is_batch_arange(n, batch): env[n] = ('arange', 0); continue
+        args = _arg_nodes(list(n.args) + list(n.kwargs.values()))
+        inputs = [(('batch', env[a][1]) if env[a][0] == 'arange' else env[a], _dims(a.meta['val'])) for a in args
                   if isinstance(env.get(a), tuple) and isinstance(a.meta.get('val'), torch.Tensor)]
         op, val = (n.target if n.op == 'call_function' else n.op), n.meta.get('val')
         if isinstance(val, (list, tuple)): env[n] = [_value_layout(v, batch, op, inputs, n.args) for v in val]
-        else: env[n] = _value_layout(val, batch, op, inputs, n.args)
+        else: env[n] = _numbers(n, op, _value_layout(val, batch, op, inputs, n.args), args, env, numbered)
+    for n, first in numbered.items():                   # they hold the original row numbers: not sliceable
+        if env[n][0] != 'sym':
+            env[n] = ('unknown', f'{first} computes with the row numbers (an arange over the batch), which the kept '
+                                 'rows would renumber')
     return env
