@@ -25,3 +25,15 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     items = _notebook_items(session)
     if items: items[0].module.stop_reruns()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    "How each compared notebook's numbers come back on another CPU (`test_notebooks_rerun.summary`), after a run of those tests."
+    import sys
+    module = sys.modules.get('test_notebooks_rerun') or sys.modules.get('tests.test_notebooks_rerun')
+    lines = sorted(getattr(module, 'SUMMARIES', {}).values())
+    if not lines: return
+    shown = lines if config.option.verbose > 0 else [line for line in lines if 'within' in line or 'varies' in line or 'UNDECLARED' in line]
+    terminalreporter.section('notebook outputs: exact, float64-exact, within a stated tolerance, or # varies')
+    for line in shown: terminalreporter.write_line(line)
+    if len(shown) < len(lines): terminalreporter.write_line(f'({len(lines) - len(shown)} more print only exact or float64-exact numbers: -v lists them)')

@@ -12,7 +12,15 @@ more, so the README's test command runs it instead of `nbdev_test` (which stays 
   below 1e-4 (float32 round-off, whose digits differ between CPUs, as the notebooks say beside them: those only have
   to stay below 1e-4), a printed line that says it was `(measured on this machine)`, and a cell whose source says
   beside its output what varies and why, in a line `# varies: <why>` (wall-clock columns, memory peaks, the CPU's
-  name). Everything else a notebook prints is a claim that must come back on any machine.
+  name). A cell with a line `# tolerance: X <why, as measured>` has its numbers compared within ±X (integers still
+  exactly below 1). Everything else a notebook prints is a claim that must come back on any machine.
+- `test_low_precision_training_is_declared`: float32, bf16 and fp16 training is not reproducible across CPUs (AVX-512,
+  AVX2 or no vector kernels, `ATEN_CPU_CAPABILITY=default` simulates the last; thread counts), and training amplifies
+  the round-off; so is float64 training at a chaotic learning rate. Each kernel runs `PRECISION_PROBE`, which records
+  the cells that take two optimizer steps or more and the dtypes of the parameters they step: a cell that trains in
+  anything but float64 and prints a compared number must say how it varies (`# tolerance:` or `# varies:`), or train in
+  float64. A failing rerun names, for its notebook, which cells print exact numbers (no training), float64-exact ones,
+  numbers within a stated tolerance, or `# varies` (`summary`; `conftest.py` lists them after the run).
 
 The notebooks are executed two at a time, each kernel with one thread (`OMP_NUM_THREADS=1`: two kernels with two threads
 each on a 2-core machine run several times slower than either alone), the tutorials (the slowest) first so that the
@@ -41,6 +49,7 @@ TMPDIR = re.compile(re.escape(tempfile.gettempdir().rstrip('/')) + r'/tmp[\w-]+'
 SPACES = re.compile(r'\s+')
 MACHINE = '(measured on this machine)'
 VARIES = re.compile(r'^\s*# varies: \S.{8,}', re.M)      # a reason of a few words, beside the output
+TOLERANCE = re.compile(r'^\s*# tolerance: ±?(\d+(?:\.\d+)?(?:e-\d+)?) \S.{8,}', re.M)   # a measured bound, and why
 
 
 def all_notebooks() -> list[str]:
@@ -56,16 +65,72 @@ def kernel_env() -> dict:
             'PATH': f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'}   # the kernel spec runs `python`
 
 
+# Which cells train, and in which precision: the kernel runs this before the first cell (`exec_lines`, no output). Once
+# torch is imported it registers a global optimizer-step hook that, at the first two steps of each (cell, dtypes), appends
+# to the file RECORD which cell it is (the n-th the kernel ran) and the dtypes of the parameters stepped (bf16 autocast
+# steps float32 weights). Optimizer steps in a subprocess (a `capskip train` the notebook launches) are not seen.
+PRECISION_PROBE = """
+import importlib.abc, importlib.util, sys
+from IPython import get_ipython
+def watch(record):
+    steps, cell = {}, [0]
+    get_ipython().events.register('pre_run_cell', lambda info: cell.__setitem__(0, cell[0] + bool(info.store_history)))
+    def hook(optimizer, args, kwargs):
+        dtypes = ','.join(sorted({str(p.dtype).removeprefix('torch.') for g in optimizer.param_groups for p in g['params']}))
+        key = (cell[0], dtypes)
+        steps[key] = steps.get(key, 0) + 1
+        if steps[key] <= 2:
+            with open(record, 'a') as f: f.write(f'{key[0]} {dtypes}\\n')
+    class AfterTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != 'torch': return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec('torch')
+            run = spec.loader.exec_module
+            def exec_module(module):
+                run(module); register()
+            spec.loader.exec_module = exec_module
+            return spec
+    register = lambda: sys.modules['torch.optim.optimizer'].register_optimizer_step_post_hook(hook)
+    if 'torch' in sys.modules: register()
+    else: sys.meta_path.insert(0, AfterTorch())
+watch(RECORD)
+"""
+
+
+def trained_cells(nb: dict, record: str) -> dict[int, set[str]]:
+    """Code cell index -> the parameter dtypes it trained in (two optimizer steps or more: one step from a given model is
+    a gradient check, whose numbers come from that model), from the probe's record."""
+    ran = [i for i, cell in enumerate(c for c in nb['cells'] if c['cell_type'] == 'code') if cell.get('execution_count')]
+    index = {str(n): i for n, i in enumerate(ran, 1)}          # the n-th cell the kernel ran (nbclient skips empty cells)
+    out: dict[int, set[str]] = {}
+    seen: dict[tuple[int, str], int] = {}
+    for line in Path(record).read_text().split('\n') if Path(record).exists() else []:
+        if line.strip():
+            count, dtypes = line.split(' ', 1)
+            if count in index: seen[(index[count], dtypes)] = seen.get((index[count], dtypes), 0) + 1
+    for (i, dtypes), n in seen.items():
+        if n >= 2: out.setdefault(i, set()).update(dtypes.split(','))
+    return out
+
+
 def execute(rel: str, env: dict | None = None) -> dict:
-    "Run every cell of nbs/`rel` in a fresh Python kernel of this interpreter, from the notebook's folder; the notebook."
+    """Run every cell of nbs/`rel` in a fresh Python kernel of this interpreter, from the notebook's folder; the notebook,
+    with `metadata.trained` {code cell index: [parameter dtypes its optimizer steps used]} from `PRECISION_PROBE`."""
     import nbformat
     from nbclient import NotebookClient
     path = NBS / rel
     nb = nbformat.read(path, as_version=4)
     env = env or kernel_env()
     os.environ['PATH'] = env['PATH']          # jupyter_client looks the kernel's `python` up on this process's PATH
-    client = NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}})
-    client.execute(env=env)
+    with tempfile.TemporaryDirectory() as tmp:
+        probe, record = Path(tmp) / 'probe.py', Path(tmp) / 'trained.txt'
+        probe.write_text(PRECISION_PROBE)
+        start = f"__import__('runpy').run_path({str(probe)!r}, init_globals={{'RECORD': {str(record)!r}}})"
+        client = NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}},
+                                extra_arguments=[f'--IPKernelApp.exec_lines={start}'])
+        client.execute(env=env)
+        nb.metadata['trained'] = {str(i): sorted(d) for i, d in trained_cells(nb, str(record)).items()}
     return nb
 
 
@@ -130,10 +195,12 @@ def skeleton(text: str) -> tuple[str, list[str]]:
     return NUMBER.sub('#', text), NUMBER.findall(text)
 
 
-def same_number(shown: str, got: str) -> bool:
-    "Equal within one unit of the last printed digit (integers exactly); e-notation round-off only has to stay below 1e-4."
+def same_number(shown: str, got: str, tol: float = 0.0) -> bool:
+    """Equal within one unit of the last printed digit (integers exactly), or within a cell's stated `tol`; e-notation
+    round-off only has to stay below 1e-4."""
     a, b = float(shown), float(got)
     if 'e' in shown.lower() and abs(a) < ROUNDOFF: return abs(b) < ROUNDOFF
+    if abs(a - b) <= tol * 1.001: return True
     if re.fullmatch(r'[-+]?\d+', shown): return a == b
     mantissa = shown.lower().split('e')[0]
     decimals = len(mantissa.split('.')[1]) if '.' in mantissa else 0
@@ -141,17 +208,64 @@ def same_number(shown: str, got: str) -> bool:
     return math.isclose(a, b, abs_tol=unit * 1.001)
 
 
+def tolerance(cell: dict) -> float | None:
+    "The bound a cell states beside its output (`# tolerance: 0.01 <why, as measured>`), or None."
+    found = TOLERANCE.search(''.join(cell.get('source', '')))
+    return float(found.group(1)) if found else None
+
+
 def differences(committed: dict, rerun: dict) -> list[str]:
     out = []
-    code = lambda nb: [c for c in nb['cells'] if c['cell_type'] == 'code']
-    for i, (old, new) in enumerate(zip(code(committed), code(rerun))):
+    for i, (old, new) in enumerate(zip(code_cells(committed), code_cells(rerun))):
         if VARIES.search(''.join(old.get('source', ''))): continue          # says beside its output what varies and why
+        tol = tolerance(old) or 0.0
         (s_old, n_old), (s_new, n_new) = skeleton(printed(old)), skeleton(printed(new))
         if s_old != s_new: out.append(f'code cell {i}: the printed text differs:\n--- committed\n{s_old}\n--- rerun\n{s_new}')
-        elif not all(same_number(a, b) for a, b in zip(n_old, n_new)):
-            bad = [(a, b) for a, b in zip(n_old, n_new) if not same_number(a, b)]
-            out.append(f'code cell {i}: numbers differ (committed, rerun): {bad[:10]}')
+        elif not all(same_number(a, b, tol) for a, b in zip(n_old, n_new)):
+            bad = [(a, b) for a, b in zip(n_old, n_new) if not same_number(a, b, tol)]
+            out.append(f'code cell {i}: numbers differ (committed, rerun{f", stated tolerance {tol:g}" if tol else ""}): {bad[:10]}')
     return out
+
+
+# ------------------------------------------------------------- how each notebook's numbers can be the same on any CPU
+def code_cells(nb: dict) -> list[dict]: return [c for c in nb['cells'] if c['cell_type'] == 'code']
+
+
+def prints_numbers(cell: dict) -> bool:
+    "Whether a cell prints a number that is compared (not a timing, a line measured on this machine, or round-off below 1e-4)."
+    return any(not ('e' in n.lower() and abs(float(n)) < ROUNDOFF) for n in skeleton(printed(cell))[1])
+
+
+def how_compared(rerun: dict) -> dict[int, str]:
+    """Each code cell that prints compared numbers -> how they can come back on another CPU: `exact` (no training in the
+    cell), `float64` (it trains, every optimizer step on float64 parameters), `within ±X` (`# tolerance: X <why>`),
+    `varies` (`# varies: <why>`, not compared), or `UNDECLARED <dtypes>`: it trains in float32 / bf16 / fp16 (bf16
+    autocast steps float32 weights) and prints numbers without saying how they vary — kernels and thread counts round
+    float32 differently, from the initialisation on, and SGD amplifies it. The dtypes come from `PRECISION_PROBE`
+    (`metadata.trained` of the executed notebook); a cell that prints what an *earlier* cell trained is not traced back."""
+    trained = rerun.get('metadata', {}).get('trained', {})
+    out = {}
+    for i, cell in enumerate(code_cells(rerun)):
+        if not prints_numbers(cell): continue
+        dtypes, tol = set(trained.get(str(i), ())), tolerance(cell)
+        if VARIES.search(''.join(cell.get('source', ''))): out[i] = 'varies'
+        elif tol is not None: out[i] = f'within ±{tol:g}'
+        elif not dtypes: out[i] = 'exact'
+        elif dtypes == {'float64'}: out[i] = 'float64'
+        else: out[i] = 'UNDECLARED ' + ','.join(sorted(dtypes - {'float64'}))
+    return out
+
+
+def summary(rel: str, rerun: dict) -> str:
+    "One line: which cells' numbers are exact, float64-exact, compared within a stated tolerance, or excluded (`# varies`)."
+    groups: dict[str, list[int]] = {}
+    for i, kind in how_compared(rerun).items(): groups.setdefault(kind, []).append(i)
+    order = lambda kind: ('exact', 'float64').index(kind) if kind in ('exact', 'float64') else 2 + kind.startswith('varies')
+    parts = [f'{kind} cells {",".join(map(str, cells))}' for kind, cells in sorted(groups.items(), key=lambda kv: order(kv[0]))]
+    return f'{rel}: ' + ('; '.join(parts) if parts else 'prints no compared number')
+
+
+SUMMARIES: dict[str, str] = {}           # notebook -> its `summary`, shown by conftest.py's terminal summary
 
 
 def test_the_comparison_can_fail():
@@ -173,6 +287,23 @@ def test_the_comparison_can_fail():
     assert differences(nb('ratio 1.30 (measured on this machine)\nkept 0.65'), nb('ratio 0.73 (measured on this machine)\nkept 0.60'))
     varies = lambda text: {'cells': [{**cell(text), 'source': ['# varies: wall-clock seconds of this machine\n', 'run()']}]}
     assert differences(varies('12.5 ms'), varies('99.1 ms')) == [] and not VARIES.search('# varies: x')
+    within = lambda text: {'cells': [{**cell(text), 'source': ['# tolerance: 0.02 bf16 training, measured on two CPUs\n', 'fit()']}]}
+    assert differences(within('acc 0.944, 5 epochs'), within('acc 0.960, 5 epochs')) == []
+    assert differences(within('acc 0.944, 5 epochs'), within('acc 0.970, 5 epochs'))              # past the stated bound
+    assert differences(within('acc 0.944, 5 epochs'), within('acc 0.944, 6 epochs'))              # integers stay exact
+    assert tolerance({'source': '# tolerance: 0.02\n'}) is None                                  # a bound needs its why
+
+
+def test_each_cell_says_how_its_numbers_come_back():
+    "The classification: no training, float64 training, a stated tolerance, `# varies`, and low precision undeclared."
+    cell = lambda text, source='fit()': {'cell_type': 'code', 'source': source,
+                                         'outputs': [{'output_type': 'stream', 'name': 'stdout', 'text': text}]}
+    nb = {'cells': [cell('kept 11 of 32'), cell('acc 0.944'), cell('acc 0.944'), cell('acc 0.944', '# tolerance: 0.02 bf16, measured twice\nfit()'),
+                    cell('peak 35.2 MB', '# varies: memory peak of this machine\nrun()'), cell('error 4.1e-16'), cell('acc 0.9', 'fit()')],
+          'metadata': {'trained': {'1': ['float64'], '2': ['bfloat16', 'float32'], '3': ['float32'], '5': ['float32']}}}
+    assert how_compared(nb) == {0: 'exact', 1: 'float64', 2: 'UNDECLARED bfloat16,float32', 3: 'within ±0.02', 4: 'varies', 6: 'exact'}
+    assert summary('x.ipynb', nb) == ('x.ipynb: exact cells 0,6; float64 cells 1; UNDECLARED bfloat16,float32 cells 2; '
+                                      'within ±0.02 cells 3; varies cells 4')
 
 
 def test_every_notebook_is_executed():
@@ -199,8 +330,20 @@ def test_rerun_matches_committed_outputs(rel, reruns):
     committed = json.loads((NBS / rel).read_text())
     rerun = reruns(rel)
     if isinstance(rerun, Exception): raise rerun
+    SUMMARIES[rel] = summary(rel, rerun)
     problems = differences(committed, rerun)
-    assert not problems, f'{rel} reruns to other results than it shows:\n' + '\n'.join(problems)
+    assert not problems, f'{rel} reruns to other results than it shows ({SUMMARIES[rel]}):\n' + '\n'.join(problems)
+
+
+@pytest.mark.parametrize('rel', COMPARED)
+def test_low_precision_training_is_declared(rel, reruns):
+    "A cell that trains in float32/bf16/fp16 and prints numbers says how they vary: float64 instead, `# tolerance:`, or `# varies:`."
+    rerun = reruns(rel)
+    if isinstance(rerun, Exception): raise rerun
+    undeclared = {i: kind for i, kind in how_compared(rerun).items() if kind.startswith('UNDECLARED')}
+    assert not undeclared, (f'{rel}: code cells {undeclared} train in low precision and print numbers that another CPU '
+                            f'rounds differently: train in float64, or add `# tolerance: X <why, measured>` or '
+                            f'`# varies: <why>` to the cell')
 
 
 def test_progress_bars_render_as_widgets_in_a_kernel():

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -19,8 +20,8 @@ from ..policies.core import IGNORE_INDEX, StepStats
 from ..runs.runio import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['check_classifier', 'step_counts', 'log_values', 'CAPSkipTrainer', 'capskip_state_file', 'load_capskip_state',
-           'SaveCAPSkipState']
+__all__ = ['PROBE_ITEMS', 'check_classifier', 'step_counts', 'log_values', 'loss_reduction', 'CAPSkipTrainer',
+           'capskip_state_file', 'load_capskip_state', 'SaveCAPSkipState']
 
 # %% ../../nbs/12c_hf.ipynb #196ba83d
 def check_classifier(model: nn.Module) -> None:
@@ -42,14 +43,45 @@ def log_values(counts: Tensor, prefix: str = 'capskip') -> dict[str, float]:
     return {f'{prefix}/kept_fraction': kept / forwarded, f'{prefix}/distortion': distortion / steps}
 
 # %% ../../nbs/12c_hf.ipynb #4ed35fcd
+PROBE_ITEMS = 1e6            # the num_items_in_batch that `loss_reduction` passes: the model's loss is then CE / 1e6 or a mean
+
+def loss_reduction(model: nn.Module, inputs: dict, label_key: str = 'labels') -> str:
+    """How `model`'s own loss reduces a micro-batch when the Trainer passes it `num_items_in_batch`: `'items'` (Σ CE / that
+    count, as transformers' `loss_function` does, e.g. ViT) or `'mean'` (its own `CrossEntropyLoss()` mean of the micro-batch,
+    e.g. BERT). One forward of the micro-batch without gradient, its random state forked (dropout draws nothing)."""
+    labels = inputs[label_key]
+    cuda = [labels.device] if labels.device.type == 'cuda' else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        out = model(**inputs, num_items_in_batch=torch.tensor(PROBE_ITEMS, device=labels.device))
+    loss = out.get('loss') if isinstance(out, dict) else getattr(out, 'loss', None)
+    if loss is None: return 'items'                                  # no loss of its own: the Trainer's count applies
+    logits = (out['logits'] if isinstance(out, dict) else out.logits).float()
+    total = float(F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE_INDEX, reduction='sum'))
+    n = int((labels != IGNORE_INDEX).sum())
+    if not (total > 0 and n): return 'items'                         # nothing to tell them apart by (and nothing to learn)
+    loss = float(loss)
+    if abs(loss * n / total - 1) < 0.05: return 'mean'
+    if abs(loss * PROBE_ITEMS / total - 1) < 0.05: return 'items'
+    raise ValueError(f'CAPSkipTrainer matches the loss of a model that averages cross-entropy over a micro-batch or divides '
+                     f'its sum by num_items_in_batch; {type(model).__name__} returned {loss:.4g} for a sum of {total:.4g} over '
+                     f'{n} rows: train it with transformers.Trainer')
+
 class CAPSkipTrainer(Trainer):
     "A `transformers.Trainer` whose training loss is CAPSkip's (`capskip=`: `CAPSkip`'s options); evaluation is the Trainer's own."
     def __init__(self, *args, capskip: dict | None = None, **kwargs):
+        if kwargs.get('compute_loss_func') is not None:
+            raise ValueError('CAPSkipTrainer trains on CAPSkip\'s cross-entropy, so compute_loss_func= would be ignored: drop it '
+                             '(label smoothing is TrainingArguments(label_smoothing_factor=...)) or train with transformers.Trainer')
         super().__init__(*args, **kwargs)
-        names = list(self.label_names or [])
+        names, options = list(self.label_names or []), dict(capskip or {})
+        factor = float(self.args.label_smoothing_factor)
+        if factor and 'label_smoothing' in options and float(options['label_smoothing']) != factor:
+            raise ValueError(f"capskip={{'label_smoothing': {options['label_smoothing']}}} disagrees with TrainingArguments("
+                             f"label_smoothing_factor={factor}): set it in one place (the Trainer's is used when capskip= has none)")
         self.capskip_options = {'ignore_index': IGNORE_INDEX, 'label_key': names[0] if len(names) == 1 else 'labels',
-                                **(capskip or {})}
+                                'label_smoothing': factor, **options}
         self.skip: CAPSkip | None = None
+        self.reduction: str | None = None            # 'items' or 'mean': `loss_reduction`, decided at the first step
         self._skip_model: nn.Module | None = None
         self._counts: Tensor | None = None
         self._resume_from: str | None = None
@@ -64,6 +96,9 @@ class CAPSkipTrainer(Trainer):
     def capskip_for(self, model: nn.Module) -> CAPSkip:
         "The `CAPSkip` on the model the Trainer trains (built at the first training step; rebuilt if the Trainer wraps it anew)."
         if self._skip_model is not model:
+            if self.args.n_gpu > 1:
+                raise ValueError(f'CAPSkipTrainer runs one device per process; this run would wrap the model in '
+                                 f'torch.nn.DataParallel over {self.args.n_gpu} GPUs: launch one process per GPU (torchrun)')
             check_classifier(self.accelerator.unwrap_model(model))
             state = None if self.skip is None else self.skip.state_dict()
             if self.skip is not None: self.skip.close()
@@ -73,20 +108,31 @@ class CAPSkipTrainer(Trainer):
             self._resume_from = None
         return self.skip
 
+    def denominator(self, model: nn.Module, inputs: dict, num_items_in_batch) -> float | None:
+        "What the Trainer's own loss divides this micro-batch's summed cross-entropy by (None: its labelled rows); see above."
+        if not (self.model_accepts_loss_kwargs and num_items_in_batch is not None): return None
+        if self.reduction is None:
+            smoothed = self.label_smoother is not None and 'labels' in inputs      # the Trainer's LabelSmoother: the count
+            self.reduction = 'items' if smoothed else loss_reduction(self.accelerator.unwrap_model(model), inputs,
+                                                                     self.capskip_options['label_key'])
+        return max(float(num_items_in_batch), 1.0) if self.reduction == 'items' else None       # ≥ 1: see above
+
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        "CAPSkip's loss of the batch while training (see above); the Trainer's own under `no_grad` or in eval mode."
+        "CAPSkip's loss of the batch while training, normalised as the Trainer's own (see above); the Trainer's own under `no_grad` or in eval mode."
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        skip = self.capskip_for(model)
-        if skip.label_key not in inputs:
-            raise ValueError(f'CAPSkipTrainer needs the labels of each batch under {skip.label_key!r}; the batch has '
+        key = self.capskip_options['label_key']
+        if key not in inputs:
+            raise ValueError(f'CAPSkipTrainer needs the labels of each batch under {key!r}; the batch has '
                              f'{sorted(inputs)}: set TrainingArguments(label_names=[KEY]) to the key that holds them')
+        denominator = self.denominator(model, inputs, num_items_in_batch)
+        skip = self.capskip_for(model)
         logits = skip(**inputs)
-        by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        loss = skip.loss(logits, denominator=max(float(num_items_in_batch), 1.0) if by_items else None)   # ≥ 1: see above
-        if by_items and self.args.average_tokens_across_devices:
+        loss = skip.loss(logits, denominator=denominator)
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None       # what the Trainer assumes
+        if scaled and self.args.average_tokens_across_devices:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())     # the Trainer's own convention
-        self.loss_is_scaled_for_ga = by_items
+        self.loss_is_scaled_for_ga = scaled
         counts = step_counts(skip.last)
         self._counts = counts if self._counts is None else self._counts + counts
         return (loss, {'logits': logits}) if return_outputs else loss
