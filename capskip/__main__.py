@@ -8,7 +8,9 @@ __all__ = []
 # %% ../nbs/09e_main.ipynb #0a502c36
 import sys
 
-from .cli import main
+try: from capskip.cli import main
+except KeyboardInterrupt:        # Ctrl-C before the command table is even read: one line, as `dispatch` says it
+    print('capskip: interrupted (SIGINT)', file=sys.stderr); sys.exit(130)
 
 # A Jupyter kernel runs cells as `__main__` too (Run All reaches this cell): the kernel defines `get_ipython`, a script does not.
 if __name__ == '__main__' and 'get_ipython' not in globals(): sys.exit(main())

@@ -137,7 +137,8 @@ def test_no_module_imports_its_own_package_init():
     assert not bad, bad
 
 
-LAYERS = ['capskip._modidx', 'capskip.registry', 'capskip.checks', 'capskip.core', 'capskip.selector', 'capskip.engine',
+LAYERS = ['capskip._modidx', 'capskip.registry', 'capskip.checks', 'capskip.core', 'capskip.selector', 'capskip.sequence',
+          'capskip.engine',
           'capskip.policies', 'capskip.runs', 'capskip.integrations', 'capskip.analysis', 'capskip.bench', 'capskip.testing', 'capskip._docs',
           'capskip.cli', 'capskip.__main__']
 

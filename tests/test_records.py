@@ -165,6 +165,10 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys,
     (['sweep', '--recipe', 'digits', '--seeds', f'1,{2 ** 64 + 1}'], 'seed'),
     (['sweep', '--recipe', 'digits', '--set', 'policy_kw.budget=-3'], 'budget'),
     (['sweep', '--recipe', 'digits', '--set', 'base_lr=Infinity'], 'base_lr'),
+    (['train', '--lr', '1e308'], 'base_lr (--lr) = 1e+308 is above 1e+06, our bound'),
+    (['train', '--set', 'weight_decay=' + '9' * 400], 'weight_decay = 999999999999... (400 digits) is beyond 64-bit'),
+    (['train', '--set', 'model_kw.width=' + '9' * 400], 'model_kw.width = 999999999999... (400 digits) is beyond 64-bit'),
+    (['train', '--set', 'model_kw.width=-1'], "model 'digits_cnn' cannot be built with model_kw {'width': -1}"),
 ])
 def test_bad_numbers_are_refused_before_any_work(argv, message, tmp_path, capsys):
     main = {'train': train_main, 'sweep': sweep_main}[argv[0]]
@@ -188,7 +192,7 @@ def _write_run(root, arm, seed, epochs=2, **config):
     cfg = {'recipe': 'digits', 'arm': arm, 'seed': seed, 'epochs': epochs, 'base_lr': 0.1, 'policy_kw': {'budget': 0.09}}
     cfg.update(config)
     write_json(folder / 'config.json', cfg)
-    rows = [{'epoch': e, 'train_time_s': 1.0 * e, 'lr': 0.1, 'loss': 1.0, 'train_acc': 0.5, 'val_acc': 0.5,
+    rows = [{'epoch': e, 'train_time_s': (2.0 + 0.1 * seed) * e / epochs, 'lr': 0.1, 'loss': 1.0, 'train_acc': 0.5, 'val_acc': 0.5,
              'test_acc': 0.5 + 0.01 * seed, 'rows_forwarded': 100, 'rows_backprop': 50, 'kept_fraction': 0.5,
              'mean_distortion': 0.05, 'rows_pruned': 0} for e in range(1, epochs + 1)]
     runio.write_jsonl(folder / 'results.jsonl', rows)
@@ -224,8 +228,9 @@ def test_identical_seeds_give_no_interval_and_two_pairs_say_so(tmp_path):
     for s in (1, 2):
         _write_run(tmp_path, 'dense', s)
         f = _write_run(tmp_path, 'capskip', s)
-        final = read_json(f / 'final.json')
+        final, rows = read_json(f / 'final.json'), read_jsonl(f / 'results.jsonl')
         write_json(f / 'final.json', {**final, 'test_acc': final['test_acc'] + 0.0056})   # +0.56 pp for both seeds
+        runio.write_jsonl(f / 'results.jsonl', rows[:-1] + [{**rows[-1], 'test_acc': final['test_acc'] + 0.0056}])
     report = build_report(tmp_path)
     eq = next(t for t in report.sections[('', 'digits')] if t.name == 'equal_epochs')
     cell = ' '.join(str(c) for c in eq.rows[0])
@@ -266,3 +271,116 @@ def test_arms_that_differ_in_more_than_the_arm_are_noted(tmp_path):
     notes = [p for w, p in report.notes.items if w == 'digits']
     assert len(notes) == 1 and 'weight_decay' in notes[0] and 'mix that setting with the arm' in notes[0], report.notes.items
     assert sorted(report.groups[('', 'digits')].runs('capskip', 2)) == [1, 2]    # listed where it is compared, not dropped
+
+
+# --- records that say something else than what ran (hostile probes on results folders) ---
+
+def _cell(tmp_path, arm='capskip'):
+    for s in (1, 2, 3): _write_run(tmp_path, 'dense', s); _write_run(tmp_path, 'capskip', s)
+    return {s: run_dir(tmp_path, 'digits', arm, s, 2) for s in (1, 2, 3)}
+
+
+@pytest.mark.parametrize('edit', ['value', 'duplicate key'])
+def test_a_final_json_that_is_not_its_rows_summary_is_listed_not_pooled(edit, tmp_path):
+    f = _cell(tmp_path)[2] / 'final.json'
+    if edit == 'value': write_json(f, {**read_json(f), 'test_acc': 0.99})
+    else: f.write_text(f.read_text().rstrip().rstrip('}') + ', "test_acc": 0.99}')
+    report = build_report(tmp_path)
+    note = dict(report.notes.items)['digits/capskip/seed2/ep2']
+    assert ('final.json says test_acc=0.99 but results.jsonl gives 0.52' in note if edit == 'value'
+            else "key(s) ['test_acc'] appear twice" in note), note
+    assert sorted(report.groups[('', 'digits')].runs('capskip', 2)) == [1, 3]
+
+
+def test_a_run_reached_twice_through_symlinks_votes_once(tmp_path):
+    for s in (1, 2): _write_run(tmp_path, 'dense', s)
+    odd = _write_run(tmp_path, 'dense', 3, weight_decay=0.0)
+    for alias in ('seed7', 'seed8'): (odd.parents[1] / alias).symlink_to(odd.parent, target_is_directory=True)
+    (tmp_path / 'mirror').symlink_to(tmp_path / 'digits', target_is_directory=True)
+    runs = load_runs(tmp_path)
+    assert sorted((r.seed, r.complete) for r in runs) == [(1, True), (2, True), (3, False)]
+    assert 'weight_decay' in next(r for r in runs if r.seed == 3).problem
+
+
+def test_a_seed_folder_alias_is_listed_not_shadowing(tmp_path):
+    import shutil
+    folders = _cell(tmp_path)
+    alias = folders[3].parents[1] / 'seed03' / 'ep2'
+    shutil.copytree(folders[3], alias)
+    write_json(alias / 'final.json', {**read_json(alias / 'final.json'), 'train_time_s': 99.0})
+    report = build_report(tmp_path)
+    assert 'not the name capskip train writes (seed3)' in dict(report.notes.items)['digits/capskip/seed3/ep2']
+    assert report.groups[('', 'digits')].runs('capskip', 2)[3].path == folders[3].resolve()
+
+
+def test_a_run_without_config_json_but_with_a_hash_is_not_pooled(tmp_path):
+    (_cell(tmp_path)[2] / 'config.json').unlink()
+    report = build_report(tmp_path)
+    assert 'but config.json is missing' in dict(report.notes.items)['digits/capskip/seed2/ep2']
+    assert sorted(report.groups[('', 'digits')].runs('capskip', 2)) == [1, 3]
+
+
+def test_resume_compares_with_the_checkpoint_when_config_json_is_gone(tmp_path, monkeypatch):
+    train(small(), tmp_path, progress='none', stop_after=1)
+    folder = run_dir(tmp_path, 'digits', 'capskip', 1, EPOCHS)
+    (folder / 'config.json').unlink()
+    with pytest.raises(ValueError, match=r'its checkpoint.pt: base_lr: saved .* vs now 0.5'):
+        train(small(base_lr=0.5), tmp_path, resume=True, progress='none')
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: threads + 1)     # the checkpoint's count is the check now
+    with pytest.raises(ValueError, match='OMP_NUM_THREADS'):
+        train(small(), tmp_path, resume=True, progress='none')
+
+
+@pytest.mark.parametrize('name', ['config.json', 'results.jsonl', 'final.json', 'checkpoint.pt'])
+def test_a_folder_in_place_of_a_run_file_is_one_line_before_any_work(name, tmp_path, capsys):
+    folder = run_dir(tmp_path, 'digits', 'capskip', 1, EPOCHS)
+    (folder / name).mkdir(parents=True)
+    argv = ['--recipe', 'digits', '--arm', 'capskip', '--seed', '1', '--epochs', str(EPOCHS), *TINY_FLAGS,
+            '--out', str(tmp_path), '--quiet']
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f'{name} is a folder where the run keeps a file' in err and err.count('\n') == 1, err
+    assert sorted(p.name for p in folder.iterdir()) == [name]
+
+
+def test_invalid_json_and_refused_pickles_name_the_file_in_one_line(tmp_path):
+    (tmp_path / 'config.json').write_text('{"a": 1,')
+    with pytest.raises(ValueError, match='config.json is not valid JSON'): read_json(tmp_path / 'config.json')
+    torch.save({'w': torch.zeros(1), 'obj': Path('x')}, tmp_path / 'checkpoint.pt')      # a global the safe loader refuses
+    with pytest.raises(ValueError) as e: load_checkpoint(tmp_path / 'checkpoint.pt')
+    assert 'checkpoint.pt cannot be read safely' in str(e.value) and '\n' not in str(e.value)
+    assert 'weights_only' not in str(e.value).replace('weights_only=True', '')
+
+
+def test_report_pairs_bar_full_disk_and_interrupts(tmp_path, capsys, monkeypatch):
+    _cell(tmp_path)
+    out = str(tmp_path / 'rep')
+    code = report_main([str(tmp_path), '--out', out, '--no-figures', '--pair', 'digits/capskip@0:digits/dense@2'])
+    err = capsys.readouterr().err
+    assert code == 2 and '@EPOCHS is an epoch budget from 1' in err and err.count('\n') == 1, err
+    for bar in (['--bar', '-0.4,1.0'], ['--bar=-0.4,1.0']):
+        assert report_main([str(tmp_path), '--out', out, '--no-figures', *bar, '--pair', 'digits/capskip:digits/dense']) == 0
+        assert 'bar passed' in (tmp_path / 'rep' / 'report.md').read_text()
+    capsys.readouterr()
+    monkeypatch.setattr(runio.os, 'fsync', lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device')))
+    assert report_main([str(tmp_path), '--out', out, '--no-figures']) == 1
+    err = capsys.readouterr().err
+    assert 'no space left on the device' in err and 'run the report again' in err and '--resume' not in err, err
+    assert err.count('\n') == 1
+    monkeypatch.undo()
+    import capskip.analysis.report as rep
+    from capskip.cli import main
+    def interrupted(*a, **k): raise KeyboardInterrupt
+    monkeypatch.setattr(rep, 'build_report', interrupted)
+    assert main(['report', str(tmp_path), '--no-figures']) == 130
+    err = capsys.readouterr().err
+    assert err.startswith('capskip report: interrupted (SIGINT)') and err.count('\n') == 1, err
+
+
+def test_an_ascii_stdout_prints_every_command_without_unicode_errors():
+    env = dict(os.environ, PYTHONIOENCODING='ascii', LANG='C', LC_ALL='C', CAPSKIP_NO_ALLOCATOR_ENV='1')
+    out = subprocess.run([sys.executable, '-m', 'capskip', 'recipes', '--show', 'digits'], cwd=ROOT, env=env,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0 and b'UnicodeEncodeError' not in out.stderr, out.stderr[-600:]
+    assert b'paper: ?' in out.stdout                      # the section sign, replaced

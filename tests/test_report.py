@@ -26,6 +26,7 @@ def write_run(root, recipe, arm, seed, epochs, time_s, acc, *, finish=True, kept
              'test_acc': acc if e == epochs else None, 'rows_forwarded': n_rows, 'rows_backprop': round(kept * n_rows),
              'kept_fraction': kept, 'mean_distortion': 0.05 if kept < 1 else 0.0, 'rows_pruned': 0}
             for e in range(1, epochs + 1)]
+    rows[-1].update({k: v for k, v in (final_extra or {}).items() if k in ('val_acc', 'test_acc')})  # final.json summarises the rows
     (folder / 'results.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     if finish:
         final = {'recipe': recipe, 'arm': arm, 'seed': seed, 'epochs': epochs, 'train_time_s': time_s, 'val_acc': acc,

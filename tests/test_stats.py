@@ -196,3 +196,11 @@ def test_tied_times_take_the_better_run():
     assert envelope_at(pts, 1.5) == pytest.approx(6.5)
     assert running_max_frontier(pts) == [(1.0, 5.0), (2.0, 8.0)]
     assert time_to_accuracy(pts, 7.0) == pytest.approx(1 + 2 / 3)
+
+
+def test_a_zero_width_interval_is_never_called_resolved():
+    from capskip.analysis.stats import NO_SPREAD, difference_label, ratio_label, t_interval
+    mean, lo, hi = t_interval([0.56, 0.56])                  # seeds that all agree: the interval has no width
+    assert (mean, difference_label(lo, hi)) == (0.56, NO_SPREAD)
+    assert ratio_label(*t_interval([0.5, 0.5])[1:]) == NO_SPREAD
+    assert difference_label(0.08, 0.42) == 'better' and ratio_label(0.5, float('inf')) == 'unresolved'

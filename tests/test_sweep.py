@@ -96,3 +96,14 @@ def test_demo_says_which_runs_diverged(tmp_path, capsys):
                       '--set', 'batch_size=256', '--out', str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith('capskip demo: demo runs did not finish') and err[0].count('diverged') == 2
+
+
+def test_time_matched_dense_onto_a_budget_of_the_grid_is_one_line(tmp_path, capsys, monkeypatch):
+    import capskip.runs.sweep as sw
+    monkeypatch.setattr(sw, 'measured_ratio', lambda *a, **k: 0.5)   # dense at round(2 x 0.5) = 1: the grid's own dense@1
+    tiny = {'data_kw.img_size': 8, 'data_kw.n_train': 128, 'batch_size': 128, 'warmup': False, 'mode': 'reforward'}
+    result = sweep('digits', ['dense', 'capskip'], [1], [1, 2], tmp_path, time_matched_dense=True, overrides=tiny,
+                   progress='lines')
+    out, err = capsys.readouterr()
+    assert not result.failed and len(result.records) == 4, result.records
+    assert 'is dense at 1 epochs (ratio 0.500), a budget of the grid itself' in out and 'Traceback' not in err

@@ -89,6 +89,12 @@ def test_bench_step_json_is_checked_before_the_benchmark(tmp_path, monkeypatch, 
         assert message in usage_error(capsys, bench_step_main, ['--model', 'digits_cnn', '--json', str(path)])
 
 
+def test_bench_step_unknown_model_is_one_line_before_measuring(monkeypatch, capsys):
+    import capskip.bench.step as step
+    monkeypatch.setattr(step, 'measure', lambda *a, **k: pytest.fail('the benchmark ran for an unknown model'))
+    assert "--model 'nosuch' is not a model: choose one of" in usage_error(capsys, bench_step_main, ['--model', 'nosuch'])
+
+
 def test_a_real_process_prints_no_traceback(tmp_path, a_file):
     env = dict(os.environ, CAPSKIP_NO_ALLOCATOR_ENV='1')
     out = subprocess.run([sys.executable, '-m', 'capskip', 'sweep', '--recipe', 'digits', '--seeds', '', '--out', str(a_file)],

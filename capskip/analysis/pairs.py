@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .results import (PERCENT, Notes, Run, Table, compare, comparison_fields, format_value, mean_present,
                                       pair_seeds, rows_bwd_percent, run_accuracy, run_time)
 from .stats import Comparison, format_comparison
+from ..runs.runio import MAX_EPOCHS
 
 # %% auto #0
 __all__ = ['Bar', 'parse_bar', 'CellRef', 'parse_pair', 'cell_index', 'pair_cells', 'pairing_table']
@@ -63,7 +64,11 @@ class CellRef:
         m = re.fullmatch(r'(?:(?P<folder>.+)/)?(?P<recipe>[^/@]+)/(?P<arm>[^/@]+)(?:@(?P<epochs>\d+))?', text.strip())
         if not m: raise ValueError(f'a cell is [FOLDER/]RECIPE/ARM[@EPOCHS], e.g. resnet18gn_cifar100/dense@200 or '
                                    f'masked/resnet18gn_cifar100_ib/infobatch_capskip; got {text!r}')
-        return cls(m['folder'] or '', m['recipe'], m['arm'], int(m['epochs']) if m['epochs'] else None)
+        epochs = None if m['epochs'] is None else int(m['epochs'][:7])      # 7 digits: beyond any budget, no huge int
+        if epochs is not None and not 1 <= epochs <= MAX_EPOCHS:
+            raise ValueError(f'{text.strip()[:80]!r}: @EPOCHS is an epoch budget from 1 to {MAX_EPOCHS} (a run folder ep<E>), '
+                             f'got @{m["epochs"][:12]}')
+        return cls(m['folder'] or '', m['recipe'], m['arm'], epochs)
 
     @property
     def group(self) -> tuple[str, str]: return (self.folder, self.recipe)
@@ -93,7 +98,7 @@ def pair_cells(index: dict, a: CellRef, b: CellRef, metric: str, scale: float, n
     "One record per budget pairing cell `a` with cell `b`: seeds, time ratio, accuracy difference, rows bwd, bar decision."
     budgets = lambda c: sorted(e for (f, r, arm, e) in index if (f, r, arm) == (c.folder, c.recipe, c.arm))
     if a.epochs is not None or b.epochs is not None:
-        pairs = [(a.epochs or b.epochs, b.epochs or a.epochs)]
+        pairs = [(b.epochs if a.epochs is None else a.epochs, a.epochs if b.epochs is None else b.epochs)]
     else:
         pairs = [(e, e) for e in sorted(set(budgets(a)) & set(budgets(b)))]
         if not pairs: notes.add(f'{a.label()} vs {b.label()}', f'no epoch budget in common (A has {budgets(a)}, B has {budgets(b)})')

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import csv
 import io
-import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .stats import NO_SPREAD, Comparison, paired_difference, paired_ratio
 from ..core import SEED_LIMIT
+from .records import (DIVERGED_FIELDS, FINAL_FIELDS, FINAL_REQUIRED, config_problem, fields_problem,
+                                      final_row_problem, read_history, read_json_file, shown)
 from ..runs.runio import MAX_EPOCHS, config_hash, config_identity
 
 # %% auto #0
-__all__ = ['FINAL_FIELDS', 'FINAL_REQUIRED', 'DIVERGED_FIELDS', 'ROW_FIELDS', 'ROW_REQUIRED', 'LIMITS', 'PERCENT', 'ARM_FIELDS',
-           'Run', 'value_problem', 'fields_problem', 'read_run', 'record_problem', 'config_difference', 'check_pooling',
-           'load_runs', 'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget', 'Notes', 'where', 'pair_seeds',
-           'compare', 'arm_setting_notes', 'Table', 'comparison_fields', 'mean_present', 'format_value', 'ReportData',
+__all__ = ['PERCENT', 'ARM_FIELDS', 'Run', 'read_run', 'record_problem', 'config_difference', 'check_pooling', 'load_runs',
+           'run_accuracy', 'run_time', 'rows_bwd_percent', 'run_budget', 'Notes', 'where', 'pair_seeds', 'compare',
+           'arm_setting_notes', 'Table', 'comparison_fields', 'mean_present', 'format_value', 'ReportData',
            'index_runs', 'diverged_table']
 
 # %% ../../nbs/07a_results.ipynb #ba5cba1f
@@ -49,107 +48,6 @@ class Run:
     @property
     def group(self) -> tuple[str, str]: return (self.variant, self.recipe)
 
-_UNREADABLE = (OSError, ValueError, RecursionError)   # a folder in its place, bad UTF-8 or JSON, > 4300-digit ints, deep nesting
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, RecursionError): return 'nested too deeply to read'
-    if isinstance(e, IsADirectoryError): return 'a folder, not a file'
-    return str(e)[:200] or type(e).__name__
-
-def _read_json_file(path: Path) -> tuple[object, str | None]:
-    try: return json.loads(path.read_text(encoding='utf-8')), None
-    except _UNREADABLE as e: return None, f'unreadable {path.name} ({_reason(e)})'
-
-# kinds: str, int, bool, dict; fraction ([0, 1]), seconds and count (finite, >= 0), number (finite); None is allowed
-# unless the key is in the not-null set of its file
-FINAL_FIELDS = {'recipe': 'str', 'arm': 'str', 'seed': 'int', 'epochs': 'int', 'train_time_s': 'seconds',
-                'val_acc': 'fraction', 'test_acc': 'fraction', 'best_val_acc': 'fraction', 'kept_fraction': 'fraction',
-                'rows_backprop_frac': 'count', 'rows_forwarded_frac': 'count', 'eval_time_s': 'seconds',
-                'warmup_time_s': 'seconds', 'time_matched': 'dict', 'complete': 'bool', 'status': 'str',
-                'diverged': 'dict', 'last_finite_epoch': 'int', 'config_hash': 'str'}
-FINAL_REQUIRED = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
-                  'kept_fraction', 'complete')
-DIVERGED_FIELDS = {'epoch': 'int', 'step': 'int', 'steps': 'int', 'what': 'str', 'peak_lr': 'number'}
-ROW_FIELDS = {'epoch': 'int', 'train_time_s': 'seconds', 'epoch_time_s': 'seconds', 'eval_time_s': 'seconds',
-              'warmup_time_s': 'seconds', 'lr': 'number', 'steps': 'count', 'loss': 'number', 'train_acc': 'fraction',
-              'val_acc': 'fraction', 'test_acc': 'fraction', 'rows_forwarded': 'count', 'rows_backprop': 'count',
-              'kept_fraction': 'fraction', 'mean_distortion': 'count', 'rows_pruned': 'count', 'policy': 'dict'}
-ROW_REQUIRED = ('epoch', 'train_time_s', 'lr', 'loss', 'train_acc', 'val_acc', 'test_acc', 'rows_forwarded',
-                'rows_backprop', 'kept_fraction', 'mean_distortion', 'rows_pruned')
-
-# our bounds, far beyond any real run, so that sums and ratios of the values cannot overflow a float
-LIMITS = {'int': 2 ** 63, 'seconds': 1e9, 'count': 1e15, 'number': 1e100, 'fraction': 1.0}
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f'{text[:20]}...({len(text)} characters)'
-
-def value_problem(key: str, value, kind: str) -> str | None:
-    "Why `value` of `key` is not a valid `kind` (see `FINAL_FIELDS`), or None when it is (None values are valid)."
-    if value is None: return None
-    if kind in ('str', 'bool', 'dict', 'int'):
-        ok = {'str': isinstance(value, str), 'bool': isinstance(value, bool), 'dict': isinstance(value, dict),
-              'int': isinstance(value, int) and not isinstance(value, bool)}[kind]
-        if ok and kind == 'int' and abs(value) >= LIMITS['int']: return f'{key} = {_shown(value)} is outside [-2**63, 2**63)'
-        return None if ok else f'{key} = {_shown(value)} is not {"an" if kind == "int" else "a"} {kind}'
-    if not isinstance(value, (int, float)) or isinstance(value, bool): return f'{key} = {_shown(value)} is not a number'
-    if isinstance(value, float) and not math.isfinite(value): return f'{key} = {value!r} is not finite'
-    if kind in ('seconds', 'count', 'number') and abs(value) > LIMITS[kind]:
-        return f'{key} = {_shown(value)} is beyond {LIMITS[kind]:g}, not a value a run writes'
-    if kind == 'fraction' and not 0 <= value <= 1:
-        return f'{key} = {value!r} is outside [0, 1] (accuracies and fractions are stored as fractions, not percent)'
-    if kind in ('seconds', 'count') and value < 0: return f'{key} = {value!r} is negative'
-    return None
-
-def fields_problem(obj, fields: dict, required, not_null, what: str) -> str | None:
-    "Why the JSON object `obj` (named `what`) breaks its schema: unknown or missing keys, null or invalid values."
-    if not isinstance(obj, dict): return f'{what} does not hold a JSON object'
-    unknown = sorted(set(obj) - set(fields))
-    if unknown: return f'{what} has unknown key(s) {unknown}'
-    missing = [k for k in required if k not in obj]
-    if missing: return f'{what} lacks {missing}'
-    for key, value in obj.items():
-        if value is None and key in not_null: return f'{what}: {key} is null'
-        problem = value_problem(key, value, fields[key])
-        if problem: return f'{what}: {problem}'
-    return None
-
-def _row_problem(row, n: int, line: int) -> str | None:
-    what = f'results.jsonl line {line}'
-    problem = fields_problem(row, ROW_FIELDS, ROW_REQUIRED, ('epoch', 'train_time_s'), what)
-    if problem: return problem
-    if row['epoch'] != n: return f'{what}: epoch = {row["epoch"]!r} where {n} was expected (epochs in order from 1)'
-    for key, value in (row.get('policy') or {}).items():
-        problem = value_problem(f'policy.{key}', value, 'number')
-        if problem: return f'{what}: {problem}'
-    return None
-
-def _read_history(path: Path) -> tuple[list, str | None]:
-    if not path.exists(): return [], 'no results.jsonl'
-    try: text = path.read_text(encoding='utf-8', errors='replace')
-    except OSError as e: return [], f'unreadable results.jsonl ({_reason(e)})'
-    rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip(): continue
-        try: row = json.loads(line)
-        except (ValueError, RecursionError) as e: return rows, f'results.jsonl line {i} is not valid JSON ({_reason(e)})'
-        problem = _row_problem(row, len(rows) + 1, i)
-        if problem: return rows, problem
-        rows.append(row)
-    return rows, None
-
-def _config_problem(config) -> str | None:
-    if not isinstance(config, dict): return 'config.json does not hold a JSON object'
-    kw = config.get('policy_kw')
-    if kw is not None and not isinstance(kw, dict): return f'config.json: policy_kw = {kw!r} is not a dict'
-    for where_, source in (('policy_kw.budget', kw or {}), ('budget', config)):
-        problem = value_problem(where_, source.get('budget'), 'count')
-        if problem: return f'config.json: {problem}'
-    tm = config.get('time_matched')
-    if tm is not None and not (isinstance(tm, dict) and value_problem('epochs', tm.get('epochs'), 'int') is None):
-        return f'config.json: time_matched = {tm!r} is not a dict with integer epochs'
-    return None
-
 def _final_problem(final, run: Run) -> str | None:
     diverged = isinstance(final, dict) and final.get('status') == 'diverged'
     required = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'status', 'diverged', 'complete') if diverged else FINAL_REQUIRED
@@ -164,7 +62,10 @@ def _final_problem(final, run: Run) -> str | None:
         if final['complete'] is not False: return 'final.json says diverged but also complete'
     elif final.get('complete') is not True: return 'final.json is not marked complete'
     for key, want in (('recipe', run.recipe), ('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
-        if final[key] != want: return f'final.json says {key}={_shown(final[key])} but the folder says {want!r}'
+        if final[key] != want: return f'final.json says {key}={shown(final[key])} but the folder says {want!r}'
+    if final.get('config_hash') and not (run.path / 'config.json').is_file():
+        return (f"final.json records config_hash {final['config_hash']} but config.json is missing: the run's "
+                'configuration cannot be checked; restore config.json (or rerun the run)')
     if final.get('config_hash') and run.config and final['config_hash'] != config_hash(run.config):
         return (f"final.json's config_hash {final['config_hash']} is not the hash of this folder's config.json "
                 f"({config_hash(run.config)}): the result belongs to another configuration")
@@ -177,7 +78,7 @@ def _folder_int(text: str, lo: int, hi: int) -> int | None:
 
 def _config_identity_problem(config: dict, run: Run) -> str | None:
     for key, want in (('recipe', run.recipe), ('arm', run.arm), ('seed', run.seed), ('epochs', run.epochs)):
-        if key in config and config[key] != want: return f'config.json says {key}={_shown(config[key])} but the folder says {want!r}'
+        if key in config and config[key] != want: return f'config.json says {key}={shown(config[key])} but the folder says {want!r}'
     return None
 
 def read_run(path: str | Path, root: str | Path) -> Run:
@@ -196,15 +97,19 @@ def read_run(path: str | Path, root: str | Path) -> Run:
         run.problem = (f'folder {path.parent.name if seed is None else path.name}: '
                        + ('seeds lie in [0, 2**63)' if seed is None else f'epoch budgets lie in [1, {MAX_EPOCHS}]'))
         return run
-    config, problem = _read_json_file(path / 'config.json') if (path / 'config.json').exists() else ({}, None)
-    problem = problem or (_config_problem(config) if (path / 'config.json').exists() else None)
+    for name, want in ((path.parent.name, f'seed{seed}'), (path.name, f'ep{epochs}')):
+        if name != want:                 # seed03 beside seed3 would shadow it (or be shadowed) in a cell
+            run.problem = f'folder {name} is not the name capskip train writes ({want}): rename it, or merge it with {want}/'
+            return run
+    config, problem = read_json_file(path / 'config.json') if (path / 'config.json').exists() else ({}, None)
+    problem = problem or (config_problem(config) if (path / 'config.json').exists() else None)
     problem = problem or (_config_identity_problem(config, run) if isinstance(config, dict) else None)
     run.config = config if isinstance(config, dict) and problem is None else {}
-    run.history, history_problem = _read_history(path / 'results.jsonl')
+    run.history, history_problem = read_history(path / 'results.jsonl')
     if not (path / 'final.json').exists():
         run.problem = f'partial: no final.json ({len(run.history)} of {run.epochs} epochs logged)'
         return run
-    final, final_read_problem = _read_json_file(path / 'final.json')
+    final, final_read_problem = read_json_file(path / 'final.json')
     run.problem = final_read_problem or problem or _final_problem(final, run)
     run.final = final if isinstance(final, dict) and run.problem is None else None
     if run.problem is None and final.get('status') != 'diverged':
@@ -218,7 +123,7 @@ def read_run(path: str | Path, root: str | Path) -> Run:
 def record_problem(run: Run, history_problem: str | None = None) -> str | None:
     "Why a run whose `final.json` says complete lacks its per-epoch record (one valid row per epoch, 1 to E), or None."
     if history_problem not in (None, 'no results.jsonl'): return history_problem
-    if history_problem is None and len(run.history) == run.epochs: return None
+    if history_problem is None and len(run.history) == run.epochs: return final_row_problem(run.final, run.history)
     held = 'no results.jsonl' if history_problem else f'results.jsonl holds {len(run.history)} of {run.epochs} epoch rows'
     return (f'final.json says complete but {held}: rerun the same train/sweep command, which rebuilds the rows from '
             'checkpoint.pt')
@@ -231,7 +136,7 @@ def config_difference(a: dict, b: dict) -> str:
     "The fields (up to 3, dotted) in which two configs' identities differ: `field (a vs b)`."
     fa, fb = _flat(config_identity(a)), _flat(config_identity(b))
     keys = sorted(k for k in set(fa) | set(fb) if k not in fa or k not in fb or fa[k] != fb[k])
-    return ', '.join(f'{k} ({_shown(fa.get(k, "unset"))} vs {_shown(fb.get(k, "unset"))})' for k in keys[:3])
+    return ', '.join(f'{k} ({shown(fa.get(k, "unset"))} vs {shown(fb.get(k, "unset"))})' for k in keys[:3])
 
 def check_pooling(runs: list[Run]) -> list[Run]:
     """Refuse to pool, in one cell (variant, recipe, arm, epochs), complete runs whose configurations differ other than
@@ -266,7 +171,11 @@ def load_runs(run_dir: str | Path) -> list[Run]:
     if not folders:
         raise ValueError(f'no run folders <recipe>/<arm>/seed<S>/ep<E>/ found below {root}; '
                          'is this the --out folder of capskip train/sweep?')
-    return check_pooling([read_run(p, root) for p in folders])
+    runs, seen = [], set()
+    for p in folders:                              # a folder reached twice through symlinks is one run
+        real = p.resolve()
+        if real not in seen: seen.add(real); runs.append(read_run(p, root))
+    return check_pooling(runs)
 
 # %% ../../nbs/07a_results.ipynb #36360f58
 def run_accuracy(run: Run, metric: str = 'test_acc', scale: float = 1.0) -> float | None:

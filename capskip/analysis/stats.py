@@ -78,15 +78,23 @@ def student_t_quantile(p: float, df: float) -> float:
 # %% ../../nbs/06_stats.ipynb #5b2f279c
 DIFFERENCE_LABELS = ('better', 'worse', 'unresolved')
 RATIO_LABELS = ('faster', 'slower', 'unresolved')
+NO_SPREAD = 'unresolved (no spread between seeds)'
+
+def _zero_width(lo: float, hi: float) -> bool:
+    "An interval of no width (up to float round-off): seeds that all agree, which resolve nothing."
+    return hi - lo <= 1e-9 * max(1.0, abs(lo), abs(hi)) < math.inf    # an unbounded interval has width
 
 def difference_label(lo: float, hi: float) -> str:
-    "'better' if the interval lies above 0, 'worse' if below, else 'unresolved' (never 'equivalent')."
+    """'better' if the interval lies above 0, 'worse' if below, else 'unresolved' (never 'equivalent'); an interval of
+    no width (`t_interval` of seeds that all agree) is `NO_SPREAD`, never resolved."""
     if lo > hi: raise ValueError(f'interval bounds out of order: lo={lo} > hi={hi}')
+    if _zero_width(lo, hi): return NO_SPREAD
     return 'better' if lo > 0 else 'worse' if hi < 0 else 'unresolved'
 
 def ratio_label(lo: float, hi: float) -> str:
-    "'faster' if the ratio interval lies below 1, 'slower' if above, else 'unresolved'."
+    "'faster' if the ratio interval lies below 1, 'slower' if above, else 'unresolved'; no width: `NO_SPREAD`."
     if lo > hi: raise ValueError(f'interval bounds out of order: lo={lo} > hi={hi}')
+    if _zero_width(lo, hi): return NO_SPREAD
     return 'faster' if hi < 1 else 'slower' if lo > 1 else 'unresolved'
 
 # %% ../../nbs/06_stats.ipynb #7a7cbdb6
@@ -110,7 +118,6 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     return mean, mean - half, mean + half
 
 # %% ../../nbs/06_stats.ipynb #5f3e8c93
-NO_SPREAD = 'unresolved (no spread between seeds)'
 FEW_PAIRS = 3             # below this many pairs the verdict says how few (a t-interval from 2 pairs has 1 degree of freedom)
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['resolve', 'dispatch', 'literal_constant']
+__all__ = ['resolve', 'dispatch', 'tolerant_streams', 'literal_constant']
 
 # %% ../../nbs/09_cli_dispatch.ipynb #964dbbab
 def resolve(target: str):
@@ -30,7 +31,18 @@ def dispatch(table: Registry, prog: str, argv: list[str], description: str) -> i
         parser.print_help()
         return 2
     ns = parser.parse_args(argv)
-    return int(resolve(table[ns.command])(ns.args) or 0)
+    tolerant_streams()
+    try: return int(resolve(table[ns.command])(ns.args) or 0)
+    except KeyboardInterrupt:          # Ctrl-C while importing or working: one line, no traceback
+        print(f'{prog} {ns.command}: interrupted (SIGINT); files already written are whole (each is written atomically)',
+              file=sys.stderr, flush=True)
+        return 130
+
+def tolerant_streams() -> None:
+    "Make stdout and stderr print `?` for a character their encoding lacks (an ASCII terminal), instead of raising."
+    for stream in (sys.stdout, sys.stderr):
+        try: stream.reconfigure(errors='replace')
+        except (AttributeError, ValueError, OSError): pass   # not a text stream that can be reconfigured: left as it is
 
 # %% ../../nbs/09_cli_dispatch.ipynb #b1c2d3e5
 _CONVERSIONS = {'str': str, 'int': int, 'float': float}

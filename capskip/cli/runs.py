@@ -51,10 +51,12 @@ def train_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace):
     "Resolve the recipe, the named flags and the `--set` overrides into one configuration (a `capskip.runs.recipes.TrainConfig`)."
+    from capskip.runs.checks import check_number
     from capskip.runs.recipes import get_recipe, parse_set, resolve_config
     seed = ns.seed if ns.seed is not None else (get_recipe(ns.recipe).seeds or [0])[0]
     overrides = {'policy_kw.budget': ns.budget} if ns.budget is not None else {}
     overrides.update(parse_set(ns.set))
+    for key, value in overrides.items(): check_number(key, value)      # a dotted key's value too (model_kw.width)
     return resolve_config(ns.recipe, overrides, arm=ns.arm, seed=seed, epochs=ns.epochs, data_root=ns.data_root,
                           download=ns.download, pretrained=ns.pretrained, batch_size=ns.batch_size,
                           base_lr=ns.base_lr, mode=ns.mode, amp=ns.amp, device=ns.device,
@@ -242,9 +244,17 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument('--no-figures', action='store_true', help='tables only')
     return p
 
+def _join_bar(argv: list[str]) -> list[str]:
+    "`--bar -0.4,1.0` as `--bar=-0.4,1.0`: argparse would take a value starting with '-' for an option."
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == '--bar' and i + 1 < len(argv): out.append(f'--bar={argv[i + 1]}'); i += 2
+        else: out.append(argv[i]); i += 1
+    return out
+
 def report_main(argv: list[str] | None = None) -> int:
     "`capskip report RUN_DIR [--out DIR] [--bench-json FILE] ...`"
-    ns = report_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    ns = report_parser().parse_args(_join_bar(list(sys.argv[1:] if argv is None else argv)))
     from capskip.runs.runio import check_out_dir
     import matplotlib
     matplotlib.use('Agg')                    # before pyplot is imported: files only, no display
@@ -261,7 +271,14 @@ def report_main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f'capskip report: {e}', file=sys.stderr)
         return 2
-    path = write_report(report, out, figures=not ns.no_figures, reference=ns.reference)
+    try: path = write_report(report, out, figures=not ns.no_figures, reference=ns.reference)
+    except OSError as e:                     # a full disk or quota, a file turned read-only: the report is not all written
+        import errno
+        where, why = getattr(e, 'path', None) or e.filename or out, e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT): why = 'no space left on the device'
+        print(f'capskip report: cannot write {where} ({why}): free space or choose another --out, '
+              'then run the report again', file=sys.stderr)
+        return 1
     n_done, n_diverged = sum(r.complete for r in report.runs), sum(r.diverged is not None for r in report.runs)
     print(f'{len(report.runs)} run folders ({n_done} complete, {n_diverged} diverged); '
           f'{len(report.notes.items)} missing/partial entries; wrote {path}')

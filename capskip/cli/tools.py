@@ -18,12 +18,14 @@ from .dispatch import dispatch, literal_constant
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['BENCH_COMMANDS', 'bench_main', 'bench_selector_parser', 'bench_selector_main', 'bench_step_main', 'docs_main',
-           'readme_main']
+__all__ = ['BENCH_COMMANDS', 'bench_main', 'bench_selector_parser', 'bench_selector_main', 'bench_sequence_parser',
+           'bench_sequence_main', 'bench_step_main', 'docs_main', 'readme_main']
 
 # %% ../../nbs/09c_cli_tools.ipynb #e0cef249
 BENCH_COMMANDS = Registry('benchmark', lister='`capskip bench --help`')
 BENCH_COMMANDS.add('selector', 'capskip.cli.tools:bench_selector_main', summary='Factorised vs materialised selector, eager and compiled.')
+BENCH_COMMANDS.add('sequence', 'capskip.cli.tools:bench_sequence_main',
+                   summary='Sequence selector (token and block Gram) vs the dense step of a GPT-2-width causal LM.')
 BENCH_COMMANDS.add('step', 'capskip.cli.tools:bench_step_main',
                    summary='Per-phase step time and peak memory of dense / masked / reforward / reuse.')
 
@@ -81,6 +83,51 @@ def bench_selector_main(argv: list[str] | None = None) -> int:
         print('note: m* differs between the materialised and factorised Gram on some row: fp32 round-off at the budget '
               'boundary can do this; check with capskip.selector.select_reference')
     return 0
+
+# %% ../../nbs/09c_cli_tools.ipynb #c7d3e8f4
+def bench_sequence_parser() -> argparse.ArgumentParser:
+    "The `capskip bench sequence` argument parser (built without importing torch)."
+    p = argparse.ArgumentParser(prog='capskip bench sequence', description='The sequence selector (token and block row Gram) '
+                                'against one dense step of a GPT-2-width causal LM (median ms, fractions of the step).')
+    p.add_argument('--batch', type=_int_list, default=[1, 2, 4], help='batch sizes B, comma-separated (default 1,2,4)')
+    p.add_argument('--lengths', type=_int_list, default=[128, 256, 512], help='sequence lengths L, comma-separated (default 128,256,512)')
+    p.add_argument('--layers', type=int, default=2, help='transformer blocks of the LM (default %(default)s)')
+    p.add_argument('--width', type=int, default=768, help='model width d (default %(default)s, GPT-2 small)')
+    p.add_argument('--heads', type=int, default=12, help='attention heads (default %(default)s)')
+    p.add_argument('--vocab', type=int, default=50257, help='vocabulary V (default %(default)s, GPT-2)')
+    p.add_argument('--repeats', type=int, default=3, help='timed calls per measurement, whose median is reported (default %(default)s)')
+    p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (default %(default)s)')
+    p.add_argument('--no-token', action='store_true', help='skip the token Gram, quadratic in B·L (default: timed)')
+    p.add_argument('--device', default='auto', help='cpu, cuda or cuda:i (default %(default)s: cuda when available, else cpu)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the model and the random tokens (default %(default)s)')
+    return p
+
+def bench_sequence_main(argv: list[str] | None = None) -> int:
+    "`capskip bench sequence [--batch 1,2,4] [--lengths 128,256,512] [--layers 2] [--device cpu|cuda]`"
+    parser = bench_sequence_parser()
+    ns = parser.parse_args(argv or [])
+    if min(ns.repeats, ns.layers, ns.width, ns.heads, ns.vocab) < 1 or ns.warmup < 0:
+        parser.error('--repeats, --layers, --width, --heads and --vocab must be ≥ 1 and --warmup ≥ 0')
+    if ns.width % ns.heads: parser.error(f'--width {ns.width} must be a multiple of --heads {ns.heads}')
+    import torch                                      # after parsing: usage errors answer without torch
+    from capskip.bench.sequence import WidthLM, bench_sequence_one, format_sequence_table
+    if ns.device == 'auto': ns.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if ns.device.startswith('cuda') and not torch.cuda.is_available(): parser.error('--device cuda given but CUDA is not available')
+    torch.manual_seed(ns.seed)
+    model = WidthLM(ns.layers, ns.width, ns.vocab, ns.heads, max(ns.lengths)).to(ns.device)
+    name = torch.cuda.get_device_name(ns.device) if ns.device.startswith('cuda') else f'cpu, {torch.get_num_threads()} threads'
+    print(f'capskip bench sequence: device {ns.device} ({name}), torch {torch.__version__}; LM d={ns.width}, V={ns.vocab}, '
+          f'{ns.layers} layers, {ns.heads} heads, fp32; median of {ns.repeats} after {ns.warmup} warm-up calls')
+    rows = []
+    for B in ns.batch:
+        for L in ns.lengths:
+            rows.append(bench_sequence_one(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed, token=not ns.no_token))
+            print(f'  measured B={B} L={L}', file=sys.stderr, flush=True)
+    print(format_sequence_table(rows))
+    print('dense: forward + cross-entropy + backward of every token; token/block: the row Gram K by each method; select: '
+          'select_sequences with the cheaper (auto); K diff: ‖K_token − K_block‖/‖K_block‖.')
+    return 0
+
 
 # %% ../../nbs/09c_cli_tools.ipynb #80a708e7
 def _step_parser() -> argparse.ArgumentParser:
@@ -143,7 +190,11 @@ def bench_step_main(argv: list[str] | None = None) -> int:
         from capskip.runs.runio import check_out_file
         try: check_out_file(path, flag)
         except ValueError as err: p.error(str(err))
-    try: keeps = parse_keeps(ns.keep)
+    from capskip.runs.models import MODELS, list_models
+    try:
+        keeps = parse_keeps(ns.keep)
+        if not (ns.model in MODELS or ns.model.startswith(('timm:', 'torchvision:', 'hf:'))):   # before any measuring process
+            raise ValueError(f'--model {ns.model!r} is not a model: choose one of {list_models()}')
     except ValueError as err: print(f'capskip bench step: {err}', file=sys.stderr); return 2
     bench = StepBench(model=ns.model, batch=ns.batch, img=ns.img, num_classes=ns.num_classes, keeps=keeps, device=ns.device,
                       repeats=ns.repeats, warmup=ns.warmup, budget=ns.budget, seed=ns.seed,

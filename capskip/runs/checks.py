@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['CIFAR_HELP', 'NUMPY_PICKLE_GLOBALS', 'CIFAR100_URL', 'CIFAR100_MD5', 'CIFAR100_ARCHIVE_MD5', 'check_batches',
-           'ArrayUnpickler', 'read_cifar_pickle', 'check_cifar_split', 'file_md5', 'verify_cifar100', 'coerce_field']
+__all__ = ['CIFAR_HELP', 'NUMPY_PICKLE_GLOBALS', 'CIFAR100_URL', 'CIFAR100_MD5', 'CIFAR100_ARCHIVE_MD5', 'MAX_LR', 'FLOAT_LIMIT',
+           'INT_LIMIT', 'check_batches', 'ArrayUnpickler', 'read_cifar_pickle', 'check_cifar_split', 'file_md5',
+           'verify_cifar100', 'check_number', 'coerce_field']
 
 # %% ../../nbs/05h_checks.ipynb #418c6c77
 def check_batches(batches: Sequence[Tensor], n_rows: int) -> list[Tensor]:
@@ -106,8 +107,26 @@ def verify_cifar100(root: str | Path) -> dict[str, str]:
     return out
 
 # %% ../../nbs/05h_checks.ipynb #3f5ec2ad
+MAX_LR = 1e6            # our bound on base_lr (--lr): a typo guard; the recipes use 0.05 to 0.8 (§4.1), and 1e6 forces a collapse
+FLOAT_LIMIT = 1e9       # our bound on any float of a configuration
+INT_LIMIT = 2 ** 63     # integers beyond 64 bits name no seed, size or count
+
+def check_number(key: str, value) -> None:
+    "Raise a `ValueError` naming `key` and the bound when a number in `value` (nested in dicts and lists too) is out of reach."
+    if key == 'base_lr' and isinstance(value, (int, float)) and not isinstance(value, bool) and MAX_LR < value < float('inf'):
+        raise ValueError(f'base_lr (--lr) = {value!r} is above {MAX_LR:g}, our bound (the recipes use 0.05 to 0.8): give a learning rate in [0, {MAX_LR:g}]')
+    if isinstance(value, dict):
+        for k, v in value.items(): check_number(f'{key}.{k}', v)
+    elif isinstance(value, list):
+        for v in value: check_number(key, v)
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT and key not in ('seed', 'epochs'):
+        raise ValueError(f'{key} = {str(value)[:12]}... ({len(str(value))} digits) is beyond 64-bit integers (2**63): give a smaller value')
+    elif isinstance(value, float) and not abs(value) <= FLOAT_LIMIT:
+        raise ValueError(f'{key} = {value!r} must be a finite number of magnitude at most {FLOAT_LIMIT:g}')
+
 def coerce_field(key: str, value, kind):
     "Check `value` against the annotated type `kind` of config field `key`; int → float is allowed."
+    check_number(key, value)
     args = set(typing.get_args(kind)) or {kind}
     if value is None:
         if type(None) in args: return None

@@ -14,6 +14,7 @@ import json
 import math
 import operator
 import os
+import pickle
 import platform
 import secrets
 import socket
@@ -29,10 +30,11 @@ from ..core import SEED_LIMIT
 
 # %% auto #0
 __all__ = ['TMP_SUFFIX', 'MAX_EPOCHS', 'VOLATILE_FIELDS', 'IDENTITY_EXCLUDED', 'EXIT_BUSY', 'LOCK_NAME', 'NoSpaceError',
-           'atomic_write_bytes', 'clean_stale_tmp', 'to_json', 'write_json', 'read_json', 'write_jsonl', 'read_jsonl',
-           'save_checkpoint', 'load_checkpoint', 'generator_state', 'set_generator_state', 'run_dir', 'run_status',
-           'is_finished', 'git_commit', 'device_name', 'run_metadata', 'comparable_config', 'config_identity',
-           'config_hash', 'RunLockedError', 'lock_owner', 'RunLock', 'check_out_dir', 'check_out_file']
+           'atomic_write_bytes', 'clean_stale_tmp', 'to_json', 'write_json', 'DuplicateKeyError', 'loads_json',
+           'read_json', 'write_jsonl', 'read_jsonl', 'save_checkpoint', 'load_checkpoint', 'generator_state',
+           'set_generator_state', 'run_dir', 'run_status', 'is_finished', 'git_commit', 'device_name', 'run_metadata',
+           'comparable_config', 'config_identity', 'config_hash', 'RunLockedError', 'lock_owner', 'RunLock',
+           'check_out_dir', 'check_out_file']
 
 # %% ../../nbs/05e_runio.ipynb #325292d4
 TMP_SUFFIX = '.tmp'
@@ -41,8 +43,10 @@ class NoSpaceError(OSError, ValueError):
     "The disk (or quota) is full: what was being written is not in place, the previous file is kept."
 
 def _no_space(path: Path, err: BaseException) -> NoSpaceError:
-    return NoSpaceError(errno.ENOSPC, f'no space left on the device writing {path} ({err.strerror or err}); '
-                        f'the previous {path.name} is kept: free space, then rerun (a partial run with --resume)')
+    e = NoSpaceError(errno.ENOSPC, f'no space left on the device writing {path} ({err.strerror or err}); '
+                     f'the previous {path.name} is kept: free space, then run the command again')
+    e.path = path                                   # the command's own advice can name the file
+    return e
 
 def _is_no_space(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -100,17 +104,42 @@ def write_json(path: str | Path, obj: Any) -> Path:
     "Write `obj` as indented JSON, atomically."
     return atomic_write_bytes(path, (to_json(obj, indent=2) + '\n').encode())
 
+class DuplicateKeyError(ValueError):
+    "A JSON object names one key twice (which value counts would be the parser's choice, not the writer's)."
+
+def _no_duplicates(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup: raise DuplicateKeyError(f'key(s) {dup} appear twice in one object')
+    return dict(pairs)
+
+def loads_json(text: str) -> Any:
+    "Strict JSON: `json.loads` that refuses an object naming a key twice (`DuplicateKeyError`, a `ValueError`)."
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
 def read_json(path: str | Path) -> Any:
-    "Read a JSON file."
-    return json.loads(Path(path).read_text(encoding='utf-8'))
+    """Read a JSON file (strict: no duplicate keys); invalid JSON is a `ValueError` naming the file, a folder in its
+    place an `IsADirectoryError` naming it."""
+    path = Path(path)
+    if path.is_dir(): raise IsADirectoryError(errno.EISDIR, f'{path} is a folder, not a JSON file: remove or rename it', str(path))
+    try: return loads_json(path.read_text(encoding='utf-8'))
+    except (ValueError, RecursionError) as e:          # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f'{path} is not valid JSON ({str(e)[:200] or type(e).__name__}): repair or delete it') from None
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     "Write `rows` as JSON lines, replacing the whole file atomically."
     return atomic_write_bytes(path, ''.join(to_json(r) + '\n' for r in rows).encode())
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    "Read a JSON-lines file (blank lines ignored)."
-    return [json.loads(l) for l in Path(path).read_text(encoding='utf-8').splitlines() if l.strip()]
+    "Read a JSON-lines file (blank lines ignored; strict, as `read_json`); a bad line is a `ValueError` naming file and line."
+    path, rows = Path(path), []
+    if path.is_dir(): raise IsADirectoryError(errno.EISDIR, f'{path} is a folder, not a JSON-lines file: remove or rename it', str(path))
+    for i, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+        if not line.strip(): continue
+        try: rows.append(loads_json(line))
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f'{path} line {i} is not valid JSON ({str(e)[:200] or type(e).__name__}): repair or delete it') from None
+    return rows
 
 # %% ../../nbs/05e_runio.ipynb #1fbb64df
 def save_checkpoint(path: str | Path, state: dict) -> Path:
@@ -126,11 +155,16 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = 'cpu') 
     "Load a checkpoint safely (`weights_only=True`)."
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f'no checkpoint at {path}: start the run without --resume')
+    if path.is_dir(): raise ValueError(f'checkpoint {path} is a folder, not a checkpoint file: remove it to restart the run')
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:     # torch's own text suggests weights_only=False, i.e. running the file's code
+        raise ValueError(f'checkpoint {path} cannot be read safely: it holds objects other than tensors and plain '
+                         'containers (refused by the safe loader); it was not written by capskip: delete it to restart the run') from None
     except Exception as e:
-        raise ValueError(f'checkpoint {path} cannot be read safely ({type(e).__name__}: {e}); '
-                         'it may be truncated or hold non-tensor objects: delete it to restart the run') from e
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f'checkpoint {path} cannot be read safely ({type(e).__name__}: {why}); '
+                         'it may be truncated or damaged: delete it to restart the run') from None
 
 def generator_state(generator: torch.Generator) -> torch.Tensor:
     "The generator's state as a CPU uint8 tensor (checkpoint-safe)."

@@ -144,6 +144,9 @@ def sweep(recipe: str, arms: list[str], seeds: list[int], epochs: list[int] | No
                 e_dense = time_matched_epochs(e, ratio)
                 if e_dense == e:
                     log(f'time-matched dense at {e} epochs is dense itself (ratio {ratio:.3f}): nothing extra to run'); continue
+                if e_dense in epochs:    # the grid's own dense run of that budget: rerunning it as "time-matched" would clash
+                    log(f'time-matched dense at {e} epochs is dense at {e_dense} epochs (ratio {ratio:.3f}), a budget of the grid '
+                        'itself: that run serves as the match, nothing extra to run'); continue
                 matched[e] = {'arm': matched_arm, 'epochs': e, 'dense_epochs': e_dense, 'ratio': ratio, 'seed': seed}
                 log(f'time-matched dense: {matched_arm}/dense time ratio {ratio:.3f} at {e} epochs (seed {seed}) '
                     f'-> dense at {e_dense} epochs')

@@ -208,15 +208,17 @@ def warm_up(state: RunState) -> float:
     return elapsed
 
 # %% ../../nbs/05_train.ipynb #b92f6fd0
-def check_same_config(folder: Path, config: TrainConfig) -> None:
-    "Refuse to continue or reuse a run folder whose saved configuration differs from `config`."
-    saved_path = folder / 'config.json'
-    if not saved_path.exists(): return
-    saved, new = comparable_config(read_json(saved_path)), comparable_config(json.loads(json.dumps(config.to_dict())))
+def check_same_config(folder: Path, config: TrainConfig, saved: dict | None = None, source: str = 'config.json') -> None:
+    """Refuse to continue or reuse a run folder whose saved configuration differs from `config`: `config.json`'s, or
+    `saved` (the checkpoint's own copy, named `source`), which still holds when `config.json` was deleted mid-run."""
+    if saved is None:
+        if not (folder / 'config.json').exists(): return
+        saved = read_json(folder / 'config.json')
+    saved, new = comparable_config(saved), comparable_config(json.loads(json.dumps(config.to_dict())))
     diff = sorted(k for k in set(saved) | set(new) if saved.get(k) != new.get(k))
     if diff:
         detail = ', '.join(f'{k}: saved {saved.get(k)!r} vs now {new.get(k)!r}' for k in diff[:5])
-        raise ValueError(f'{folder} holds a run with a different configuration ({detail}); '
+        raise ValueError(f'{folder} holds a run with a different configuration (its {source}: {detail}); '
                          'choose another --out folder or delete that run folder')
 
 def _saved_meta(folder: Path) -> dict:
@@ -252,7 +254,7 @@ def checkpoint_state(state: RunState) -> dict:
             'optimizer': state.optimizer.state_dict(), 'policy': state.policy.state_dict(),
             'scheduler': {'schedule': state.config.schedule, 'peak_lr': state.peak_lr},
             'pending_grads': {n: p.grad.detach().clone() for n, p in state.model.named_parameters() if p.grad is not None},
-            'generators': {'global': torch.get_rng_state()}}
+            'generators': {'global': torch.get_rng_state()}, 'threads': torch.get_num_threads()}
 
 def restore_checkpoint(state: RunState, ckpt: dict) -> RunState:
     "Load a checkpoint written by `checkpoint_state` into `state`."
@@ -353,6 +355,8 @@ def train(config: TrainConfig, out: str | Path = 'runs', resume: bool = False, p
 def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str, stop_after: int | None, dist,
                   saved_to: Saved | None = None) -> dict:
     is_main = dist is None or dist.rank == 0
+    for name in ('config.json', 'results.jsonl', 'final.json', 'checkpoint.pt'):   # before any work that could not be saved
+        if (folder / name).is_dir(): raise ValueError(f'{folder / name} is a folder where the run keeps a file: remove or rename it')
     status = run_status(folder)
     ckpt_path = folder / 'checkpoint.pt'
     if status in ('complete', 'diverged'):
@@ -369,12 +373,18 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
     if ckpt_path.exists() and not resume:
         raise ValueError(f'{folder} holds a partial run (checkpoint.pt): pass --resume to continue it, '
                          'or delete the folder to start over')
-    if ckpt_path.exists(): check_same_config(folder, config)
     device = dist.device if dist is not None else resolve_device(config.device)
-    saved_meta = _saved_meta(folder) if ckpt_path.exists() else {}
-    threads = check_same_threads(folder, saved_meta, device)
+    ckpt = load_checkpoint(ckpt_path, map_location=device) if ckpt_path.exists() else None
+    if ckpt is not None:               # config.json, and the checkpoint's own copy (config.json may be gone)
+        check_same_config(folder, config)
+        check_same_config(folder, config, json.loads(ckpt['config']), 'checkpoint.pt')
+    saved_meta = _saved_meta(folder) if ckpt is not None else {}
+    threads = check_same_threads(folder, saved_meta or {'threads': (ckpt or {}).get('threads')}, device)
     splits = build_splits(config)
-    model = build_model(config, splits.num_classes, splits.in_chans).to(device)
+    try: model = build_model(config, splits.num_classes, splits.in_chans).to(device)
+    except (RuntimeError, TypeError, OverflowError) as e:        # e.g. --set model_kw.width=-1
+        raise ValueError(f'model {config.model!r} cannot be built with model_kw {str(config.model_kw)[:80]} '
+                         f'({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]}): fix the --set model_kw value') from None
     if dist is not None: dist.broadcast_parameters(model)
     policy = build_policy(config, model if dist is None else dist.wrap(model), dist)   # DDP's reducer syncs the backward
     world = dist.world_size if dist is not None else 1
@@ -384,8 +394,8 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
     meta = dict(run_metadata(config.seed, device), config_hash=config_hash(config))
     if dist is not None: meta['world_size'] = dist.world_size
     warmup_s = warm_up(state) if config.warmup else 0.0   # before restoring: a checkpoint overwrites its traces
-    if ckpt_path.exists():
-        restore_checkpoint(state, load_checkpoint(ckpt_path, map_location=device))
+    if ckpt is not None:
+        restore_checkpoint(state, ckpt)
         meta = dict(saved_meta or meta, resumed=saved_meta.get('resumed', []) + [meta['start_time']],
                     config_hash=meta['config_hash'], **threads)
         if saved_to is not None: saved_to.epoch = state.epoch
