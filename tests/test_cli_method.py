@@ -167,3 +167,12 @@ def test_check_a_model_that_cannot_run_or_be_built_is_one_line(monkeypatch, tmp_
         check_main(['--model', 'hf:mine'])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and err[-1].endswith("could not build --model hf:mine: KeyError: 'model_type'")
+
+
+@pytest.mark.parametrize('seed', ['1e23', str(10**23), '-1'])
+def test_check_refuses_a_seed_torch_cannot_take(seed, capsys):
+    "A seed outside 0 … 2**63 − 1 is one usage line (exit 2) before any model is built, not torch's overflow traceback."
+    with pytest.raises(SystemExit) as e: check_main(['--seed', seed])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert 'argument --seed' in err and '2**63' in err and 'Traceback' not in err

@@ -15,8 +15,20 @@ from .dispatch import literal_constant
 # torch, the method modules and the zoo are imported inside each command, after its flags are parsed:
 # `--help` and a mistyped flag answer at once.
 
+SEED_MAX = 2**63 - 1    # torch.Generator.manual_seed takes a signed 64-bit integer
+
+def seed_value(text: str) -> int:
+    "An argparse type: a seed torch can take (an integer in 0 … 2**63 − 1), or one line saying what to pass."
+    try: seed = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f'{text!r} is not an integer seed: pass one in 0 … 2**63 − 1')
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f'seed {text[:24]}{"…" if len(text) > 24 else ""} is outside 0 … 2**63 − 1: pass a smaller one')
+    return seed
+
+
 # %% auto #0
-__all__ = ['select_demo_parser', 'select_demo_main', 'valid_token_inputs', 'plain_forward_error', 'check_parser', 'check_main']
+__all__ = ['SEED_MAX', 'seed_value', 'select_demo_parser', 'select_demo_main', 'valid_token_inputs', 'plain_forward_error',
+           'check_parser', 'check_main']
 
 # %% ../../nbs/09a_cli_method.ipynb #e53c03da
 def _digits_model_and_batch(steps: int, batch: int, seed: int):
@@ -48,7 +60,7 @@ def select_demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--steps', type=int, default=100, help='SGD steps of the small model before selecting (default %(default)s)')
     p.add_argument('--label-smoothing', type=float, default=0.0,
                    help='label smoothing of the targets in the residuals softmax(z) - y (default %(default)s)')
-    p.add_argument('--seed', type=int, default=0, help='seed of the model, its SGD steps and the data split (default %(default)s)')
+    p.add_argument('--seed', type=seed_value, default=0, help='seed of the model, its SGD steps and the data split (default %(default)s)')
     return p
 
 def select_demo_main(argv: list[str] | None = None) -> int:
@@ -160,7 +172,7 @@ def check_parser() -> argparse.ArgumentParser:
                    help='check with the model in eval mode (model.eval(): BatchNorm uses its running statistics, dropout '
                         'and stochastic depth are off), as a fine-tune with frozen normalisation trains (default: train mode)')
     p.add_argument('--device', default='cpu', help='cpu or cuda (default %(default)s)')
-    p.add_argument('--seed', type=int, default=0, help='seed of the random batch, its labels and the kept rows (default %(default)s)')
+    p.add_argument('--seed', type=seed_value, default=0, help='seed of the random batch, its labels and the kept rows (default %(default)s)')
     return p
 
 def check_main(argv: list[str] | None = None) -> int:
