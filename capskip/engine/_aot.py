@@ -27,7 +27,8 @@ TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch vers
 
 # %% auto #0
 __all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'merged_rows', 'take_rows',
-           'seeded_backward_ops', 'guards_hold', 'eval_sym', 'trace', 'run_forward', 'probe_traced']
+           'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'eval_sym', 'trace', 'run_forward',
+           'probe_traced']
 
 # %% ../../nbs/01e_aot.ipynb #84f028aa
 def torch_version_ok(version: str = torch.__version__) -> bool:
@@ -207,15 +208,23 @@ def seeded_backward_ops(bw: fx.GraphModule) -> list[str]:
 _STRIDE_BAKED = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
                  torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default}
 
-def guards_hold(traced: Traced, k: int) -> bool:
-    "Whether every shape guard the trace assumed holds at batch size `k`."
+def layout_guard(guard) -> bool:
+    "Whether a shape guard was recorded by a fake kernel's choice of output strides (convolution's backend): it matters only where a graph bakes strides."
+    loc = getattr(getattr(guard, 'sloc', None), 'framework_loc', None)
+    return 'fake_impls' in str(getattr(loc, 'filename', loc))
+
+def failed_guard(traced: Traced, k: int):
+    "The first shape guard the trace assumed that fails at batch size `k` (a sympy relation on `traced.batch`), or None."
     import sympy
     for expr in traced.guards:
         if traced.batch not in expr.free_symbols: continue
-        val = expr.subs(traced.batch, k)
-        if val in (sympy.true, True): continue
-        return False
-    return True
+        if expr.subs(traced.batch, k) in (sympy.true, True): continue
+        return expr
+    return None
+
+def guards_hold(traced: Traced, k: int) -> bool:
+    "Whether every shape guard the trace assumed holds at batch size `k`."
+    return failed_guard(traced, k) is None
 
 @functools.lru_cache(maxsize=4096)
 def _sym_at(expr, batch, k: int) -> int:
@@ -295,7 +304,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     bw_inputs = _bw_specs(bw, n_user, tail, layouts)
     shape_env = fw_ph[x_pos[0]].meta['val'].fake_mode.shape_env
     strided = sorted({str(n.target) for gm in (fw, bw) for n in gm.graph.nodes if n.target in _STRIDE_BAKED})
-    guards = [gd.expr for gd in getattr(shape_env, 'guards', [])] if strided else []
+    guards = [gd.expr for gd in getattr(shape_env, 'guards', []) if strided or not layout_guard(gd)]
     reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards,

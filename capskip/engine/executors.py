@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .head import HeadCapture
 from .node import kept_indices, skip_forward
-from .probe import RowProbe
+from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .types import Forward
 
 # %% auto #0
@@ -81,7 +81,8 @@ class Dense(Executor):
     mode = 'dense'
 
     def run_forward(self, x: torch.Tensor) -> Forward:
-        return Forward(*self.run_model(x), self.mode)
+        with cleared_caches(self.model):                 # a cached value would hold a graph an earlier step freed
+            return Forward(*self.run_model(x), self.mode)
 
 class Masked(Dense):
     "`dense` execution of a selection: exact, and as costly as dense (dropped rows still flow through the backward)."
@@ -95,9 +96,10 @@ class Reforward(Executor):
     skips = True
 
     def run_forward(self, x: torch.Tensor) -> Forward:
-        self.probe.check(x)
-        with torch.no_grad():
-            logits, feats = self.run_model(x)
+        with cleared_caches(self.model):
+            self.probe.check(x)
+            with torch.no_grad():
+                logits, feats = self.run_model(x)
         return Forward(logits, feats, self.mode, state=(x, autocast_state(x.device.type)))
 
     def param_grads(self, mode: str, state, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
@@ -108,10 +110,13 @@ class Reforward(Executor):
         xk = x.index_select(0, rows)
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}
+        held = stored_tensors(self.model)                # what a forward reads but does not store anew may be a cache
         with torch.enable_grad(), torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_on), \
-             _reparametrize_module(self.model, stand_ins, tie_weights=True):
+             _reparametrize_module(self.model, stand_ins, tie_weights=True), cleared_caches(self.model):
             logits, _ = self.run_model(xk)
         grads = torch.autograd.grad(logits, list(stand_ins.values()), grad_logits.index_select(0, rows).to(logits.dtype),
                                     allow_unused=True)
+        missing = [n for (n, _), g in zip(params, grads) if g is None]
+        if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         return list(grads)
 

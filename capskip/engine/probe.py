@@ -5,6 +5,7 @@
 # %% ../../nbs/01c_probe.ipynb #ba5edc56
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -14,7 +15,8 @@ from .types import RowDependenceError, row_dependence_error
 
 # %% auto #0
 __all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
-           'finite_rows', 'mixing_cause', 'probe_modules', 'module_states', 'RowProbe']
+           'finite_rows', 'mixing_cause', 'probe_modules', 'module_states', 'RowProbe', 'param_caches',
+           'cleared_caches', 'stored_tensors', 'unreached_error']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -281,13 +283,14 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
                                    f'although no NaN crossed rows: {INTEGER_PATHS}', mixing_cause(module))
     h = batch // 2
     if drew[0] or batch - h < 2: return                  # random masks drawn at another batch size differ: no subset check
-    try: sub = _hooked(model, clean[h:])
-    except Exception: return                             # the model refuses a smaller batch: the backward will say so
-    drift, tol = _subset_drift(out_clean, sub, batch, h)
-    if drift > tol:
-        raise row_dependence_error(f'the output of {type(model).__name__}', f'rows {h}-{batch - 1} run alone came out '
-                                   f'{drift:.2g} (relative) away from the same rows in the whole batch: the output depends on '
-                                   f'the batch size or on a row\'s position, {INTEGER_PATHS}')
+    for start in dict.fromkeys((h, batch - 2)):          # half of the rows, then the last two (a branch on the batch size)
+        try: sub = _hooked(model, clean[start:])
+        except Exception: return                         # the model refuses a smaller batch: the backward will say so
+        drift, tol = _subset_drift(out_clean, sub, batch, start)
+        if drift > tol:
+            raise row_dependence_error(f'the output of {type(model).__name__}', f'rows {start}-{batch - 1} run alone came '
+                                       f'out {drift:.2g} (relative) away from the same rows in the whole batch of {batch}: the '
+                                       f'output depends on the batch size or on a row\'s position, {INTEGER_PATHS}', 'batch_size')
 
 # %% ../../nbs/01c_probe.ipynb #3ee763b1
 def module_states(model: nn.Module) -> tuple:
@@ -300,13 +303,49 @@ def module_states(model: nn.Module) -> tuple:
     return tuple(out)
 
 class RowProbe:
-    "Probe `model`'s row independence once per input signature (shape without batch, dtype, device type) and module state (`module_states`)."
+    "Probe `model`'s row independence once per batch size, input signature (shape without batch, dtype, device type) and module state (`module_states`)."
     def __init__(self, model: nn.Module):
         self.model, self.passed = model, set()
 
     def check(self, x: torch.Tensor) -> None:
-        "Raise `RowDependenceError` if rows of `x` are not independent in the model (probed on the first `x` of its signature and module state)."
-        sig = (tuple(x.shape[1:]), x.dtype, x.device.type, module_states(self.model))
+        "Raise `RowDependenceError` if rows of `x` are not independent in the model (probed on the first `x` of its batch size, signature and module state)."
+        sig = (x.shape[0], tuple(x.shape[1:]), x.dtype, x.device.type, module_states(self.model))
         if sig in self.passed: return
         probe_modules(self.model, x)
         self.passed.add(sig)
+
+# %% ../../nbs/01c_probe.ipynb #c3a1e002
+def param_caches(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    "(module, attribute) of every dict a module keeps outside its parameters and buffers under a name ending in `cache` (timm's `attention_bias_cache`)."
+    return [(m, a) for m in model.modules() for a, v in vars(m).items()
+            if isinstance(v, dict) and not a.startswith('_') and a.endswith('cache')]
+
+@contextlib.contextmanager
+def cleared_caches(model: nn.Module):
+    "Within the block, each forward of `model` computes what `param_caches` would hold from the parameters it is given: those dicts are emptied on entry and on exit."
+    for m, a in param_caches(model): getattr(m, a).clear()
+    try: yield
+    finally:
+        for m, a in param_caches(model): getattr(m, a).clear()
+
+def stored_tensors(model: nn.Module) -> dict[str, tuple]:
+    "`module.attribute` -> the identities of the floating tensors a module holds there, outside its parameters and buffers (directly, or in a dict, list or tuple attribute), caches excepted."
+    caches = {(id(m), a) for m, a in param_caches(model)}
+    found = {}
+    for name, m in model.named_modules():
+        for a, v in vars(m).items():
+            if a.startswith('_') or (id(m), a) in caches: continue
+            items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+            ids = tuple(id(t) for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
+            if ids: found[f'{name or "model"}.{a}'] = ids
+    return found
+
+def unreached_error(model: nn.Module, missing: list[str], mode: str, before: dict) -> ValueError | None:
+    "The refusal when parameters `missing` get no gradient from `mode`'s backward while modules hold, unchanged by that forward, tensors outside their parameters and buffers (`before`: `stored_tensors` ahead of it) that it may have read in their place; None when there are none. A tensor the forward stored anew (an auxiliary output) is its output, not a cache."
+    now = stored_tensors(model) if missing else {}
+    held = [name for name, ids in now.items() if before.get(name) == ids]
+    if not held: return None
+    return ValueError(f'capskip {mode}: {len(missing)} parameter(s) ({", ".join(missing[:3])}) get no gradient, while '
+                      f'{", ".join(held[:3])} hold tensors outside the parameters and buffers, maybe values cached from those '
+                      'parameters that the forward read instead (the gradient would miss them). Fix: clear that state '
+                      'before each forward (a dict attribute named ...cache is cleared by capskip), or use mode="masked"')

@@ -15,13 +15,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ._aot import Traced, eval_sym, guards_hold, log, probe_traced, run_forward, take_rows, trace
+from ._aot import Traced, eval_sym, failed_guard, guards_hold, log, probe_traced, run_forward, take_rows, trace
 from .executors import Executor, Reforward, mark_rows_dynamic
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
-from .layouts import is_rows, make_layout
+from .layouts import is_rows, make_layout, renumbered
 from .node import kept_indices
-from .probe import RowProbe
+from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .types import Forward, RowDependenceError
 
 # %% auto #0
@@ -34,6 +34,7 @@ class ReuseState:
     traced: Traced
     saved: list
     batch: int
+    all_rows: bool = False                               # set by the backward: it ran over every row (no slicing possible)
 
 def _bw_args(traced: Traced, specs: list, saved: list, tangent: torch.Tensor, rows: torch.Tensor | None) -> list:
     "The backward graph's argument list: saved values, sizes at the kept count, row indices, the upstream gradient."
@@ -41,7 +42,8 @@ def _bw_args(traced: Traced, specs: list, saved: list, tangent: torch.Tensor, ro
     args = []
     for spec in specs:
         kind = spec[0]
-        if kind == 'saved': args.append(eval_sym(spec[2][1], traced, k) if spec[2][0] == 'sym' else saved[spec[1]])
+        if kind == 'saved' and spec[2][0] == 'arange': args.append(renumbered(saved[spec[1]], spec[2], k))   # row numbers
+        elif kind == 'saved': args.append(eval_sym(spec[2][1], traced, k) if spec[2][0] == 'sym' else saved[spec[1]])
         elif kind == 'rows': args.append(rows)
         elif kind == 'flat_rows': args.append((rows[:, None] * spec[1] + torch.arange(spec[1], device=rows.device)).reshape(-1))
         else: args.append(tangent.contiguous())
@@ -67,7 +69,6 @@ def _aligned(slots: list, grads, params: list) -> list:
         p = params[slot][1]
         out[slot] = g if g.dtype == p.dtype else g.to(p.dtype)
     return out
-
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
 def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
@@ -133,6 +134,7 @@ class Reuse(Executor):
         self.twins: dict = {}                            # id(Traced) -> its compiled twin (compile=True)
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
         self.params: dict = {}                           # (id(Traced), parameter names) -> (Traced, gradient slots), made once
+        self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of
 
     def runnable(self, traced: Traced) -> Traced:
         "`traced` itself, or (compile=True) its compiled twin, made once."
@@ -148,21 +150,39 @@ class Reuse(Executor):
         entries = self.cache.setdefault(key, [])
         for entry in entries:
             if isinstance(entry, str) or guards_hold(entry, xr.shape[0]): return entry
-        self.probe.check(x)                              # eager probe: names the module
-        try:
-            traced = trace(self.model, self.capture, xr)
-        except RowDependenceError:
-            raise
-        except Exception as err:                         # graph break, unsupported op, dynamic control flow
-            reason = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
+        with cleared_caches(self.model):                 # the probe's forwards fill them again
+            self.probe.check(x)                          # eager probe: names the module
+        held = stored_tensors(self.model)
+        with cleared_caches(self.model):                 # values cached from parameters are traced from them
+            try:
+                traced = trace(self.model, self.capture, xr)
+            except RowDependenceError:
+                raise
+            except Exception as err:                     # graph break, unsupported op, dynamic control flow
+                traced = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
+            if not isinstance(traced, str): probe_traced(traced, self.model, xr)
+        if isinstance(traced, str):
+            reason = traced
             msg = (f'capskip reuse: tracing {type(self.model).__name__} failed ({reason}); '
                    f'falling back to mode="{self.fallback.mode}"')
+            if 'logging.Logger' in reason:               # a log call in the forward: transformers' use_cache one, mostly
+                msg += ('; the forward calls a logging.Logger method (a transformers model does so on every forward when '
+                        'gradient checkpointing meets config.use_cache=True): set model.config.use_cache = False')
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
             entries.append(reason)
             return reason
-        probe_traced(traced, self.model, xr)
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in traced.grad_names]
+        if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         entries.append(traced)
         return traced
+
+    def warn_all_rows(self, traced: Traced, why: str) -> None:
+        "Warn once per traced graph that a backward runs over all rows although some are dropped (exact, no saving)."
+        if id(traced) in self.warned: return
+        self.warned[id(traced)] = traced
+        msg = (f'capskip reuse: the backward of {type(self.model).__name__} runs over all rows (exact, no saving): {why}; '
+               'StepStats.all_rows and Forward.all_rows record each such step (warned once per graph)')
+        log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def sliced_backward(self, traced: Traced, saved: list, B: int) -> tuple:
         "The sliced backward graph and its extra inputs: eagerly, the one gathering once per shared storage when these saved values allow it."
@@ -194,14 +214,18 @@ class Reuse(Executor):
             tangent = grad_logits.index_select(0, rows)
             if kept == 1:                                # the trace assumed batch >= 2: two half-weight copies
                 rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, 1)
-            if not guards_hold(traced, rows.numel()):
-                log.warning('capskip reuse: a shape guard fails at %d kept rows; backward over all %d rows', rows.numel(), B)
+            broken = failed_guard(traced, rows.numel())
+            if broken is not None:
+                self.warn_all_rows(traced, f'the trace assumed {broken} (s: the rows; convolution\'s CPU backend changes '
+                                   f'at 16, and the graph bakes strides) and {rows.numel()} kept rows break it')
                 sliced = False
         if sliced:
             graph, blocks = self.sliced_backward(traced, st.saved, B)
             args = _bw_args(traced, traced.bw_inputs, st.saved, tangent, rows) + blocks
             if self.compile: mark_rows_dynamic(*(a for a, spec in zip(args, traced.bw_inputs) if spec[0] != 'saved'))
         else:                                            # all rows (every row kept, or slicing impossible): unsliced graph
+            st.all_rows = kept < B
+            if st.all_rows and traced.fallback_reason: self.warn_all_rows(traced, traced.fallback_reason)
             full = torch.zeros((B,) + tuple(grad_logits.shape[1:]), dtype=grad_logits.dtype, device=grad_logits.device)
             full[:keep.shape[0]] = torch.where(keep[:, None], grad_logits, torch.zeros_like(grad_logits))
             graph, args = traced.bw_full, _bw_args(traced, traced.bw_full_inputs, st.saved, full, None)

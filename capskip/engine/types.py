@@ -28,6 +28,11 @@ class Forward:
     autograd: bool = True                          # whether gradients were enabled during the forward
     node: Any = field(default=None, repr=False)    # reforward/reuse: the autograd node (`capskip.engine.node.SkipNode`)
 
+    @property
+    def all_rows(self) -> bool:
+        "Whether the backward ran over every row although some were dropped (`reuse` where the trace cannot slice at this kept count: exact, no saving)."
+        return bool(getattr(self.state, 'all_rows', False))
+
 # %% ../../nbs/01a_types.ipynb #625d649f
 class RowDependenceError(ValueError):
     "Rows of the batch are not independent, so `reforward`/`reuse` would give a wrong gradient; `where` and `cause` say why."
@@ -46,6 +51,9 @@ FIXES = {
                   'dimension, e.g. [B, heads, N, d]'),
     'buffers': ('the forward updates buffers in place (statistics of the batch kept across steps, e.g. BatchNorm running '
                 'statistics). Fix: put those layers in eval mode, or convert BatchNorm with capskip.batchnorm_to_groupnorm(model)'),
+    'batch_size': ('the output depends on the batch size or on a row\'s position (code that branches on x.shape[0], a '
+                   'capacity or a position table sized by the batch), so a backward over fewer rows would compute another '
+                   'function. Fix: make the forward independent of the batch size'),
     'other': 'an op combines values of different rows (e.g. a statistic over the batch). Fix: compute it per row',
 }
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
-from ..engine.head import passes_through
+from ..engine.head import built_by, passes_through
 from ..engine.inputs import split_labels
 from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
                                    epoch_counters, record, run_step, step_loss, IGNORE_INDEX)
@@ -62,8 +62,9 @@ class CAPSkip:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f'temperature must be a number > 0 (the loss is CE(logits / temperature)), got {temperature!r}')
         self.temperature, self.ignore_index = float(temperature), int(ignore_index)
-        self.engine = (Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check, logits_fn=logits_fn)
-                       if engine is None else engine)
+        with built_by('CAPSkip'):                        # a refusal names CAPSkip(model, head=...), the call the user made
+            self.engine = (Engine(model, mode=mode, head=head, compile=compile, ddp_check=ddp_check, logits_fn=logits_fn)
+                           if engine is None else engine)
         self.label_key = label_key
         self.model, self.label_smoothing, self.seed = model, float(label_smoothing), int(seed)
         self.options = dict(budget=float(budget), weighted=bool(weighted), exclude_upweighted=bool(exclude_upweighted),

@@ -37,6 +37,7 @@ class StepStats:
     drop: Tensor              # [B] bool, rows selected for dropping by the inner rule (before re-weighting)
     correct: Tensor           # 0-d long, forwarded rows the model classified correctly
     should_step: bool = True  # take an optimizer step now (Selective-Backprop pools rows across steps)
+    all_rows: bool = False    # `step`: the backward ran over every row though some were dropped (reuse could not slice: exact, no saving)
 
 @runtime_checkable
 class Policy(Protocol):
@@ -153,7 +154,7 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
         fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
         extra = ((fix, torch.ones_like(fix)),)
     kept = engine.backward(fwd, res * (d.applied / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
-    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
+    return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, correct, all_rows=fwd.all_rows)
 
 def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
               label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None,
