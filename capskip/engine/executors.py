@@ -67,7 +67,7 @@ class Executor:
             raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
                                'run engine.forward with gradients enabled')
         if fwd.node is not None: fwd.node.keep, fwd.node.kept = keep, kept   # the node needs no host read of its own
-        grad = torch.where(keep[:, None], grad_logits, torch.zeros_like(grad_logits))
+        grad = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))   # [B, C] or [B, L, V]
         torch.autograd.backward([fwd.logits, *(t for t, _ in extra)], [grad, *(g for _, g in extra)])
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:

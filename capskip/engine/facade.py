@@ -12,7 +12,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
+from ..checks import values_checked
 from ..core import ce_residuals
+from ..sequence import IGNORE_INDEX
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
 from .inputs import ModelCall, pack_inputs
@@ -23,14 +25,41 @@ from .types import MODES, Forward
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['EXECUTORS', 'MAX_CALLS', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'fsdp_sharded', 'fsdp_error', 'Engine']
+__all__ = ['EXECUTORS', 'MAX_CALLS', 'sequence_grad_logits', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'fsdp_sharded',
+           'fsdp_error', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
+def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
+                         denominator: float | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y), 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`."
+    B, L, V = logits.shape
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or tuple(labels.shape) != (B, L):
+        raise ValueError(f'labels must be integer token ids [B, L] = [{B}, {L}] aligned with the logits '
+                         f'({ignore_index} = ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape '
+                         f'{tuple(getattr(labels, "shape", ()))}')
+    y = labels.to(logits.device).long()
+    mask = y != ignore_index
+    if values_checked(None, logits, y) and not bool((~mask | ((y >= 0) & (y < V))).all()):
+        raise ValueError(f'labels must lie in [0, {V}) or be {ignore_index} (ignored); got other values')
+    if denominator is None: den = mask.sum().clamp_min(1).to(torch.float64)   # on the device: no host read
+    else:
+        den = float(denominator)
+        if not den > 0: raise ValueError(f'denominator must be > 0, got {denominator}')
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    res = torch.softmax(logits.detach().to(dt), -1)
+    res.scatter_add_(-1, torch.where(mask, y, 0)[..., None], -torch.ones_like(res[..., :1]))
+    w = torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
+    return res * (mask.to(dt) * (w / den).to(dt)[:, None])[..., None]
+
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
-                   residuals: torch.Tensor | None = None) -> torch.Tensor:
-    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known)."
-    if logits.ndim != 2: raise ValueError(f'logits must be [B, C], got shape {tuple(logits.shape)}')
+                   residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits`."
+    if logits.ndim == 3 and residuals is None and label_smoothing == 0.0:
+        return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index)
+    if logits.ndim != 2:
+        raise ValueError(f'logits must be [B, C] (or [B, L, V] of sequence rows, without label_smoothing or residuals), '
+                         f'got shape {tuple(logits.shape)}')
     B = logits.shape[0]
     if tuple(targets.shape) not in ((B,), tuple(logits.shape)):
         raise ValueError(f'targets must be [B]={B} class indices or [B, C]={list(logits.shape)} class probabilities, '
@@ -201,11 +230,12 @@ class Engine:
 
     def loss_backward(self, fwd: Forward, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                       denominator: float | None = None, label_smoothing: float = 0.0,
-                      residuals: torch.Tensor | None = None) -> int:
-        "Back-propagate (1/denominator) Σ row_weights_i CE(z_i, y_i); kept rows are row_weights > 0. Returns the kept count."
+                      residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> int:
+        "Back-propagate (1/denominator) Σ row_weights_i CE(z_i, y_i) (sequence rows: `sequence_grad_logits`); kept rows are row_weights > 0 (with a labelled token). Returns the kept count."
         B = fwd.logits.shape[0]
         if row_weights is not None and row_weights.shape != (B,):
             raise ValueError(f'row_weights must have shape [{B}], got {tuple(row_weights.shape)}')
-        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals)
-        keep = torch.ones(B, dtype=torch.bool, device=grad.device) if row_weights is None else row_weights > 0
+        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals, ignore_index)
+        keep = torch.ones(B, dtype=torch.bool, device=grad.device) if row_weights is None else row_weights.to(grad.device) > 0
+        if fwd.logits.ndim == 3: keep = keep & (targets.to(grad.device) != ignore_index).any(1)   # no labelled token: G_i = 0
         return self.backward(fwd, grad, keep)

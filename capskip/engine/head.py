@@ -208,11 +208,11 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
             for n, b in model.named_buffers():
                 if n in buffers: b.copy_(buffers[n])
     names = {m: n for n, m in model.named_modules()}
-    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+    if not isinstance(out, torch.Tensor) or out.ndim not in (2, 3):
         got = f'a tensor of shape {tuple(out.shape)}' if isinstance(out, torch.Tensor) else f'a {type(out).__name__}'
         error = HeadError if isinstance(out, torch.Tensor) else NotLogitsError
         raise error(f'{type(model).__name__} returns {got}; CAPSkip needs the model to return one logits tensor '
-                    '[B, C] (return the logits only, without auxiliary or distillation outputs, or pass '
+                    '[B, C] (or [B, L, V] of a causal LM: a row per sequence) (return the logits only, without auxiliary or distillation outputs, or pass '
                     'logits_fn=<output -> logits>)')
     seen: dict = {}                                      # module -> calls so far
     cands = []
@@ -227,9 +227,10 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
     if found:
         m, inputs, k = found[-1]
         feats = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-        if feats is None or feats.ndim != 2:
-            raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))}; '
-                            'the selector needs features [B, d]: apply the head to pooled features')
+        if feats is None or feats.ndim != out.ndim or tuple(feats.shape[:-1]) != tuple(out.shape[:-1]):
+            raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))} '
+                            f'for logits of shape {tuple(out.shape)}; the selector needs features [B, d] (or [B, L, d] '
+                            'for logits [B, L, V]): apply the head to pooled features, or per token over the last dim')
         return m, k, seen[m], False
     gathered = [(m, i, o, k) for m, i, o, k in cands if gathered_through(out, o)]
     if gathered:                                         # e.g. logits[arange(B), last]: a decoder classifier's pooling

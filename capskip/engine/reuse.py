@@ -213,7 +213,7 @@ class Reuse(Executor):
             rows = kept_indices(keep, kept)
             tangent = grad_logits.index_select(0, rows)
             if kept == 1:                                # the trace assumed batch >= 2: two half-weight copies
-                rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, 1)
+                rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, *[1] * (tangent.ndim - 1))   # [B, C] or [B, L, V]
             broken = failed_guard(traced, rows.numel())
             if broken is not None:
                 self.warn_all_rows(traced, f'the trace assumed {broken} (s: the rows; convolution\'s CPU backend changes '
@@ -227,7 +227,7 @@ class Reuse(Executor):
             st.all_rows = kept < B
             if st.all_rows and traced.fallback_reason: self.warn_all_rows(traced, traced.fallback_reason)
             full = torch.zeros((B,) + tuple(grad_logits.shape[1:]), dtype=grad_logits.dtype, device=grad_logits.device)
-            full[:keep.shape[0]] = torch.where(keep[:, None], grad_logits, torch.zeros_like(grad_logits))
+            full[:keep.shape[0]] = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))
             graph, args = traced.bw_full, _bw_args(traced, traced.bw_full_inputs, st.saved, full, None)
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
         with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):

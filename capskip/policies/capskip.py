@@ -10,21 +10,24 @@ import weakref
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import DEFAULT_BUDGET, target_classes
 from ..engine import Engine
 from ..engine.head import built_by, passes_through
 from ..engine.inputs import split_labels
-from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, device_generator,
-                                   epoch_counters, record, run_step, step_loss, IGNORE_INDEX)
+from .core import (POLICIES, BasePolicy, Decision, DeviceCounters, StepStats, at_least_float32,
+                                   device_generator, epoch_counters, record, run_step, step_loss, IGNORE_INDEX)
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
                                        rw_multipliers, rwp_multipliers)
 from ..selector import last_layer_grad, select
+from ..core import SELECTOR_EPS
+from ..sequence import DEFAULT_CANDIDATES, check_sequence_inputs, select_sequences, sequence_candidates, token_correct
 
 # %% auto #0
-__all__ = ['capskip_decision', 'CAPSkip', 'tail_start', 'capskip_epoch_budget', 'CAPSkipPolicy', 'check_capskip_options',
-           'check_protocol']
+__all__ = ['capskip_decision', 'CAPSkip', 'shifted_labels', 'sequence_loss', 'tail_start', 'capskip_epoch_budget',
+           'CAPSkipPolicy', 'check_capskip_options', 'check_protocol']
 
 # %% ../../nbs/02c_capskip.ipynb #ebba774d
 def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: Tensor, *, budget: float,
@@ -105,13 +108,26 @@ class CAPSkip:
         return self._forward_of(logits)[0]
 
     def loss(self, logits: Tensor, y: Tensor | None = None, weights: Tensor | None = None,
-             denominator: float | None = None) -> Tensor:
-        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself."
+             denominator: float | None = None, shift_labels: bool | None = None) -> Tensor:
+        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself. Logits [B, L, V]: `sequence_loss` (`shift_labels` None: shift the batch's labels, not an explicit `y`)."
         feats, labels = self._forward_of(logits)
+        from_batch = y is None
         if y is None: y = labels
         if y is None:
             raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
                              f'labels in the batch under {self.label_key!r} (label_key=)')
+        if logits.ndim == 3:                             # sequence rows (a causal LM): section "Sequence rows" below
+            o = self.options
+            if o['reweight'] is not None or self.label_smoothing:
+                raise ValueError('sequence rows (logits [B, L, V]) take reweight=None and label_smoothing=0: build '
+                                 'CAPSkip(model) without them for a causal LM')
+            if from_batch if shift_labels is None else shift_labels: y = shifted_labels(y, self.ignore_index)
+            loss, stats = sequence_loss(logits, feats, y, weights, budget=o['budget'], weighted=o['weighted'],
+                                        exclude_upweighted=o['exclude_upweighted'], bias=self.engine.head.bias is not None,
+                                        denominator=denominator, temperature=self.temperature, ignore_index=self.ignore_index)
+            record(self.stats, stats)
+            self.last = stats
+            return loss
         loss, stats = step_loss(self.engine, logits, feats, y, weights, self.decide,
                                 self.label_smoothing, denominator=denominator, temperature=self.temperature,
                                 ignore_index=self.ignore_index)
@@ -121,6 +137,9 @@ class CAPSkip:
 
     def step(self, x: Tensor, y: Tensor, weights: Tensor | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`)."
+        if isinstance(y, Tensor) and y.ndim == 2 and not y.is_floating_point():
+            raise ValueError('skip.step takes one label per row; for sequence rows (a causal LM, labels [B, L]) use '
+                             'loss = skip.loss(skip(**batch)); loss.backward()')
         stats = run_step(self.engine, x, y, weights, self.decide, self.label_smoothing, temperature=self.temperature,
                          ignore_index=self.ignore_index)
         record(self.stats, stats)
@@ -141,6 +160,47 @@ class CAPSkip:
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self._generator, self._pending_state = int(state['seed']), None, state.get('generator')
+
+# %% ../../nbs/02c_capskip.ipynb #5e9c0a12
+def shifted_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    "Hugging Face's causal-LM `labels` (a copy of `input_ids`; the model's own loss shifts them) aligned with the logits: position t is labelled with token t + 1, the last position with `ignore_index`."
+    if not isinstance(labels, Tensor) or labels.ndim != 2:
+        raise ValueError(f'labels must be token ids [B, L], got shape {tuple(getattr(labels, "shape", ()))}')
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], 1)
+
+def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
+                  budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
+                  bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
+                  candidates: str = DEFAULT_CANDIDATES) -> tuple[Tensor, StepStats]:
+    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics."
+    B, L, V = logits.shape
+    if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, L):
+        raise ValueError(f'labels must be token ids [B, L] = [{B}, {L}] aligned with the logits [B, L, V] ({ignore_index} = '
+                         f'ignored; Hugging Face labels = input_ids: shift_labels=True), got shape {tuple(getattr(labels, "shape", ()))}')
+    z = at_least_float32(logits) / temperature
+    y = labels.to(z.device)
+    y = y.long() if not y.is_floating_point() else y              # a float y is refused by the check below
+    w = torch.ones(B, device=z.device) if weights is None else weights.detach().to(z.device, torch.float32)
+    check_sequence_inputs(z.detach(), y, features, w, ignore_index)
+    n_tok, n_ok = token_correct(z, y, ignore_index)               # labelled and correct tokens per row
+    w = torch.where(n_tok > 0, w, torch.zeros_like(w))            # a row without labelled token: G_i = 0, nothing to back-propagate
+    if denominator is None: den = n_tok.sum().clamp_min(1).to(torch.float64)
+    else:
+        if isinstance(denominator, bool) or not float(denominator) >= 0:
+            raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
+        den = torch.as_tensor(float(denominator), dtype=torch.float64, device=z.device).clamp_min(1.0)
+    cand = sequence_candidates(z, y, candidates, ignore_index)
+    if exclude_upweighted: cand = cand & (w <= 1)
+    sel = select_sequences(z.detach(), y, features, budget, cand, w if weighted else None, bias,
+                           SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=False)
+    applied = torch.where(sel.drop, torch.zeros_like(w), w)
+    tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
+    per_row = tok.sum(1)
+    loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
+    losses = per_row.detach()
+    stats = StepStats((applied > 0).sum(), B, sel.distortion, losses.sum(), losses, applied, sel.drop,
+                      ((n_ok == n_tok) & (n_tok > 0)).sum())
+    return loss, stats
 
 # %% ../../nbs/02c_capskip.ipynb #7b1f6ca6
 def tail_start(num_epochs: int, tail_fraction: float) -> int:
