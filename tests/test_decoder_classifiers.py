@@ -120,10 +120,10 @@ def test_encoder_decoder_classifier_in_reuse_is_exact_over_all_rows(name):
     w = KEEPS['k=3']
     ref = autograd_grads(model, batch, y, w)
     engine = Engine(model, 'reuse')
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore', RuntimeWarning)    # the logged "backward over all rows"
+    with pytest.warns(RuntimeWarning, match='runs over all rows'):   # said, not only logged
         fwd, kept, got = engine_step(engine, batch, y, w)
     assert kept == 3 and fwd.features.shape == (B, 16)
+    assert fwd.all_rows                                  # and recorded on the step
     err, glob = grad_errors(got, ref)
     assert err <= 1e-5 and glob <= 1e-5, f'{name}: {err:.2e} {glob:.2e}'
     reasons = [e if isinstance(e, str) else e.fallback_reason for m in engine.modules() for e in cached_traces(m)]
