@@ -35,5 +35,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if not lines: return
     shown = lines if config.option.verbose > 0 else [line for line in lines if 'within' in line or 'varies' in line or 'UNDECLARED' in line]
     terminalreporter.section('notebook outputs: exact, float64-exact, within a stated tolerance, or # varies')
+    import torch
+    from capskip.bench.step import machine_name
+    terminalreporter.write_line(f'rerun on {machine_name()}, ATen CPU kernels {torch.backends.cpu.get_cpu_capability()} '
+                                f'(the committed outputs name no machine: they must come back on any)')
     for line in shown: terminalreporter.write_line(line)
     if len(shown) < len(lines): terminalreporter.write_line(f'({len(lines) - len(shown)} more print only exact or float64-exact numbers: -v lists them)')

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import json
 import math
 import os
+import platform
 import re
 import sys
 from pathlib import Path
@@ -49,6 +50,14 @@ TMPDIR = re.compile(re.escape(tempfile.gettempdir().rstrip('/')) + r'/tmp[\w-]+'
 SPACES = re.compile(r'\s+')
 MACHINE = '(measured on this machine)'
 VARIES = re.compile(r'^\s*# varies: \S.{8,}', re.M)      # a reason of a few words, beside the output
+SAME_ON = re.compile(r'^\s*# same on: (\S+ \S+) \S.{8,}', re.M)   # `# same on: CPython 3.11.7 <why>`: compared on that Python only
+PYTHON = f'{platform.python_implementation()} {platform.python_version()}'   # the kernels run this interpreter
+
+
+def other_python(cell: dict) -> str | None:
+    "The Python a cell's output was recorded on (`# same on: <Python> <why>`: e.g. it reads that Python's standard library), if this is another one."
+    found = SAME_ON.search(''.join(cell.get('source', '')))
+    return found.group(1) if found and found.group(1) != PYTHON else None
 TOLERANCE = re.compile(r'^\s*# tolerance: ±?(\d+(?:\.\d+)?(?:e-\d+)?) \S.{8,}', re.M)   # a measured bound, and why
 
 
@@ -218,6 +227,7 @@ def differences(committed: dict, rerun: dict) -> list[str]:
     out = []
     for i, (old, new) in enumerate(zip(code_cells(committed), code_cells(rerun))):
         if VARIES.search(''.join(old.get('source', ''))): continue          # says beside its output what varies and why
+        if other_python(old): continue                                      # recorded on another Python's text
         tol = tolerance(old) or 0.0
         (s_old, n_old), (s_new, n_new) = skeleton(printed(old)), skeleton(printed(new))
         if s_old != s_new: out.append(f'code cell {i}: the printed text differs:\n--- committed\n{s_old}\n--- rerun\n{s_new}')
@@ -249,6 +259,7 @@ def how_compared(rerun: dict) -> dict[int, str]:
         if not prints_numbers(cell): continue
         dtypes, tol = set(trained.get(str(i), ())), tolerance(cell)
         if VARIES.search(''.join(cell.get('source', ''))): out[i] = 'varies'
+        elif other_python(cell): out[i] = f'varies (recorded on {other_python(cell)})'
         elif tol is not None: out[i] = f'within ±{tol:g}'
         elif not dtypes: out[i] = 'exact'
         elif dtypes == {'float64'}: out[i] = 'float64'
@@ -292,6 +303,9 @@ def test_the_comparison_can_fail():
     assert differences(within('acc 0.944, 5 epochs'), within('acc 0.970, 5 epochs'))              # past the stated bound
     assert differences(within('acc 0.944, 5 epochs'), within('acc 0.944, 6 epochs'))              # integers stay exact
     assert tolerance({'source': '# tolerance: 0.02\n'}) is None                                  # a bound needs its why
+    same_on = lambda python, text: {'cells': [{**cell(text), 'source': [f'# same on: {python} it reads that Python\'s stdlib\n', 'fit()']}]}
+    assert differences(same_on(PYTHON, 'loss 3.11'), same_on(PYTHON, 'loss 3.15'))                # this Python: compared
+    assert differences(same_on('CPython 0.0.1', 'loss 3.11'), same_on('CPython 0.0.1', 'loss 3.15')) == []   # another one: not
 
 
 def test_each_cell_says_how_its_numbers_come_back():

@@ -168,6 +168,10 @@ def check_parser() -> argparse.ArgumentParser:
                    help='kept fraction of the rows in the partial selections, in (0, 1] (default 0.35, 0.5 with --zoo)')
     p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
     p.add_argument('--num-classes', type=int, default=10, help="classes of the model's head and of the random labels (default %(default)s)")
+    p.add_argument('--lm', action='store_true',
+                   help='check a causal language model (logits [B, L, V]; a row is a sequence, its labels the next tokens, '
+                        '-100 on padding); implied by hf:gpt2-tiny-lm, hf:llama-tiny-lm, hf:qwen2-tiny-lm; with hf:PATH '
+                        'it builds AutoModelForCausalLM from the config.json')
     p.add_argument('--eval', action='store_true',
                    help='check with the model in eval mode (model.eval(): BatchNorm uses its running statistics, dropout '
                         'and stochastic depth are off), as a fine-tune with frozen normalisation trains (default: train mode)')
@@ -199,23 +203,32 @@ def check_main(argv: list[str] | None = None) -> int:
     from capskip.engine.check import TOLERANCE, format_rows, gradient_check, verdict, worst_error
     from capskip.engine.head import HeadError
     from capskip.engine.types import RowDependenceError
+    from capskip.runs.text import HF_LM_CONFIGS, example_inputs, hf_causal_lm
+    lm_config = ns.model.startswith('hf:') and (ns.lm or ns.model[3:] in HF_LM_CONFIGS)   # a causal LM from a config
     try:
         device = torch.device(ns.device)
-        model = _build_model(ns.model, ns.num_classes, ns.img).to(device)
+        model = (hf_causal_lm(ns.model[3:]) if lm_config else _build_model(ns.model, ns.num_classes, ns.img)).to(device)
     except (ValueError, RuntimeError) as err:      # an unknown model name or device: one line, exit 2
         p.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
     except Exception as err:                       # a model whose constructor fails (a bad config.json): one line
         p.error(f'could not build --model {ns.model}: {_one_line(err)}')
     model.train(not ns.eval)
     gen = torch.Generator().manual_seed(ns.seed)
-    from capskip.runs.text import example_inputs
     x = example_inputs(model, ns.batch, ns.img, gen, device)        # token ids + attention mask for a text model
     x = valid_token_inputs(model, x)                                 # eos where the config's classifier reads it
-    y = torch.randint(0, ns.num_classes, (ns.batch,), generator=gen).to(device)
+    lm = ns.lm or lm_config
+    if lm and not isinstance(x, dict):
+        p.error(f'--lm checks a causal language model over token ids; {ns.model} takes images: drop --lm')
+    if lm:                                          # a row is a sequence: labels aligned with the logits (the next token)
+        from capskip.policies.capskip import shifted_labels
+        from capskip.runs.text import next_token_labels
+        y = shifted_labels(next_token_labels(x))
+    else: y = torch.randint(0, ns.num_classes, (ns.batch,), generator=gen).to(device)
     modes = ('reuse', 'reforward') if ns.mode == 'all' else (ns.mode,)
     n_params = sum(p.numel() for p in model.parameters())
     print(f'model {ns.model}  params {n_params / 1e6:.2f}M  batch {ns.batch}  keep {ns.keep:g}  img {ns.img}  '
-          f'device {device}  {"eval" if ns.eval else "train"} mode  torch {torch.__version__}')
+          f'device {device}  {"eval" if ns.eval else "train"} mode{"  causal LM (labels: the next tokens)" if lm else ""}  '
+          f'torch {torch.__version__}')
     failure = plain_forward_error(model, x)
     if failure is not None:                        # the model itself cannot run this batch: not capskip's verdict
         print(f'error: the model\'s own forward fails on the random batch ({failure}); capskip check builds '

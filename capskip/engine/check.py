@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .facade import Engine
 from .inputs import logits_of
 from .types import MODES
+from ..sequence import IGNORE_INDEX
 
 TOLERANCE = 1e-4          # our choice: fp32 engines agree with autograd to ~1e-6 on every model checked (see above)
 ZERO_FLOOR = 1e-3         # our choice: a parameter's error is relative to at least 1e-3 of the largest gradient norm
@@ -42,13 +43,18 @@ def first_rows(x, n: int):
 
 def autograd_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None = None,
                    label_smoothing: float = 0.0, denominator: float | None = None, seed: int | None = None) -> dict[str, torch.Tensor]:
-    "Plain-autograd gradients of (1/denominator) Σ w_i CE(z_i, y_i) on a copy of `model`, by parameter name."
+    "Plain-autograd gradients of (1/denominator) Σ w_i CE(z_i, y_i) on a copy of `model`, by parameter name (logits [B, L, V]: CE_i sums row i's labelled tokens over the batch's labelled-token count)."
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     if seed is not None: torch.manual_seed(seed)
-    losses = F.cross_entropy(call_model(ref, x), y, reduction='none', label_smoothing=label_smoothing)
+    z = call_model(ref, x)
+    if z.ndim == 3:      # sequence rows: a row's loss sums its labelled tokens, the batch divides by their count
+        losses = F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction='none', label_smoothing=label_smoothing,
+                                 ignore_index=IGNORE_INDEX).view(y.shape).sum(1)
+        count = (y != IGNORE_INDEX).sum().clamp_min(1)
+    else: losses, count = F.cross_entropy(z, y, reduction='none', label_smoothing=label_smoothing), len(y)
     if weights is not None: losses = losses * weights.float()
-    losses.sum().div(len(y) if denominator is None else denominator).backward()
+    losses.sum().div(count if denominator is None else denominator).backward()
     return model_grads(ref)
 
 # %% ../../nbs/01h_check.ipynb #1f44c10b

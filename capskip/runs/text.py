@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from .data import DIGITS_TEST, DIGITS_VAL, SPLITS, ImageRows, Splits, stratified_split, warn_no_validation
 
 # %% auto #0
-__all__ = ['DIGITS_PAD', 'DIGITS_CLS', 'DIGITS_OFFSET', 'DIGITS_VOCAB', 'DIGITS_SEQ', 'HF_CONFIGS', 'TokenSplits',
-           'digits_tokens', 'TokenRows', 'digits_text_splits', 'DigitsText', 'hf_model', 'token_spec', 'in_channels',
-           'example_inputs']
+__all__ = ['DIGITS_PAD', 'DIGITS_CLS', 'DIGITS_OFFSET', 'DIGITS_VOCAB', 'DIGITS_SEQ', 'HF_CONFIGS', 'HF_LM_CONFIGS',
+           'TokenSplits', 'digits_tokens', 'TokenRows', 'digits_text_splits', 'DigitsText', 'hf_model', 'token_spec',
+           'in_channels', 'example_inputs', 'hf_causal_lm', 'next_token_labels']
 
 # %% ../../nbs/03b_text.ipynb #e97ae59a
 DIGITS_PAD, DIGITS_CLS, DIGITS_OFFSET = 0, 1, 2      # token ids: padding, [CLS], then intensity v as 2 + v
@@ -135,3 +135,34 @@ def example_inputs(model: nn.Module, batch: int, img: int, gen: torch.Generator,
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1::2, max(1, int(0.6 * length)):] = 0
     return {'input_ids': ids.masked_fill(mask == 0, 0).to(device), 'attention_mask': mask.to(device)}
+
+# %% ../../nbs/03b_text.ipynb #91a903ee
+_LM_BASE = dict(vocab_size=64, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+HF_LM_CONFIGS = {
+    'gpt2-tiny-lm': dict(model_type='gpt2', n_layer=2, n_head=2, n_embd=32, n_positions=32, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, **{k: v for k, v in _LM_BASE.items() if k != 'max_position_embeddings'}),
+    'llama-tiny-lm': dict(model_type='llama', num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=32, intermediate_size=64, **_LM_BASE),
+    'qwen2-tiny-lm': dict(model_type='qwen2', num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=32, intermediate_size=64, **_LM_BASE)}
+
+def hf_causal_lm(spec: str) -> nn.Module:
+    "A Hugging Face causal LM from a config: a name in `HF_LM_CONFIGS` or the path of a `config.json` (random weights, no download)."
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f'hf:{spec} needs transformers: pip install "capskip[hf]"') from None
+    if spec in HF_LM_CONFIGS:
+        options = dict(HF_LM_CONFIGS[spec])
+        config = transformers.AutoConfig.for_model(options.pop('model_type'), **options)
+    elif Path(spec).is_file() or (Path(spec) / 'config.json').is_file():
+        config = transformers.AutoConfig.from_pretrained(spec)
+    else:
+        raise ValueError(f'unknown causal-LM config {spec!r}: use hf:<one of {sorted(HF_LM_CONFIGS)}> or --lm with hf:<path '
+                         'to a config.json> (nothing is downloaded)')
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+def next_token_labels(batch: dict, ignore_index: int = -100) -> Tensor:
+    "Hugging Face's causal-LM labels of a `{'input_ids', 'attention_mask'}` batch: the ids, `ignore_index` on padding (the model shifts them)."
+    ids, mask = batch['input_ids'], batch.get('attention_mask')
+    return ids.clone() if mask is None else ids.masked_fill(mask == 0, ignore_index)
