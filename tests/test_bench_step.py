@@ -127,3 +127,32 @@ def test_floor_text_omits_the_timed_gathers_when_not_measured():
     text = format_floor(backward_floor(rows)).splitlines()
     timed = [l for l in text if 'timed alone' in l]
     assert len(timed) == 1 and '15.0 ms (75% of the excess over the floor)' in timed[0]      # 15 of the 20 ms excess
+
+
+def test_causal_lm_runner_back_propagates_the_kept_sequences_exactly():
+    "`--model width_lm --seq L`: rows are sequences; each mode's gradient is autograd of the kept rows' token loss (1/N)."
+    import torch
+    import torch.nn.functional as F
+    from capskip.bench.step import StepBench, build_runner
+    runner = build_runner(StepBench(model='width_lm', seq=6, batch=4, width=64, vocab=40, layers=1, keeps=[0.5]))
+    runner.y = runner.y.clone(); runner.y[1, 3:] = -100                 # a partly labelled row (y views the ids)
+    keep = torch.tensor([True, True, False, False])
+    z = runner.model(runner.x)
+    tok = F.cross_entropy(z.flatten(0, 1), runner.y.flatten(), reduction='none', ignore_index=-100).view(4, 6)
+    (tok.sum(1)[keep].sum() / (runner.y != -100).sum()).backward()
+    ref = {n: p.grad.clone() for n, p in runner.model.named_parameters()}
+    for mode in ('masked', 'reuse'):
+        runner.model.zero_grad(set_to_none=True)
+        fwd = runner.engines[mode].forward(runner.x)
+        runner.engines[mode].backward(fwd, runner.loss_grad(fwd.logits, runner.y, keep.float()), keep)
+        for n, p in runner.model.named_parameters():
+            assert torch.allclose(p.grad, ref[n], atol=1e-6, rtol=1e-4), (mode, n)
+    runner.model.zero_grad(set_to_none=True)
+    assert set(runner.step('reuse', 0.5)) == set(STEP_PHASES) and set(runner.step('kept_only', 0.5)) == set(STEP_PHASES)
+
+
+def test_width_lm_and_seq_go_together(capsys):
+    for argv in (['--model', 'width_lm'], ['--seq', '16'], ['--model', 'width_lm', '--seq', '16', '--width', '100']):
+        with pytest.raises(SystemExit) as e: main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and ('--seq' in err or '--width' in err) and 'Traceback' not in err, err

@@ -22,9 +22,11 @@ __all__ = ['SEQUENCE_COLUMNS', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'be
 
 # %% ../../nbs/08d_bench_sequence.ipynb #c9d58abd
 class WidthLM(nn.Module):
-    "A GPT-2-small-width causal LM: tied embedding/head (no bias), learned positions, `layers` pre-norm blocks; returns (logits, h)."
-    def __init__(self, layers: int = 2, d: int = 768, vocab: int = 50257, heads: int = 12, max_len: int = 1024):
+    "A GPT-2-small-width causal LM: tied embedding/head (no bias), learned positions, `layers` pre-norm blocks; returns (logits, h), or the logits with `features=False`."
+    def __init__(self, layers: int = 2, d: int = 768, vocab: int = 50257, heads: int = 12, max_len: int = 1024,
+                 features: bool = True):
         super().__init__()
+        self.features = features
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
         self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation='gelu', batch_first=True,
                                                                norm_first=True) for _ in range(layers))
@@ -38,7 +40,7 @@ class WidthLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(L, device=ids.device)
         for block in self.blocks: x = block(x, src_mask=mask, is_causal=True)
         h = self.ln(x)
-        return self.head(h), h
+        return (self.head(h), h) if self.features else self.head(h)
 
 def token_batch(B: int, L: int, vocab: int, seed: int = 0, device: str = 'cpu') -> tuple[Tensor, Tensor]:
     "Seeded random ids [B, L] and their next-token labels [B, L]."

@@ -26,14 +26,17 @@ from ..engine._aot import take_rows
 from ..engine.layouts import factors, row_index
 from ..engine.reuse import gather_sources, saved_bytes
 from ..runs.models import create_model
+from ..engine.facade import sequence_grad_logits
 from ..selector import residuals, select
+from ..sequence import IGNORE_INDEX, select_sequences
+from .sequence import WidthLM, token_batch
 
 # %% auto #0
 __all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'parse_keeps',
-           'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'configs', 'time_configs',
-           'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_seconds', 'gather_account',
-           'summarize', 'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record', 'run_phase',
-           'launch_phase', 'measure']
+           'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'build_lm_runner', 'configs',
+           'time_configs', 'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_seconds',
+           'gather_account', 'summarize', 'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record',
+           'run_phase', 'launch_phase', 'measure']
 
 # %% ../../nbs/08b_bench_step.ipynb #a40f3d92
 STEP_PHASES = ('forward', 'selector', 'gather', 'backward', 'optimizer')   # the timed parts of one step, in order
@@ -120,6 +123,11 @@ class StepRunner:
         rows = torch.randperm(B, generator=self.gen)[:max(1, round(k * B))]
         return torch.zeros(B, dtype=torch.bool).index_fill_(0, rows, True).to(self.device)
 
+    def loss_grad(self, logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, denominator=None) -> torch.Tensor:
+        "d/dz of (1/den) Σ w_i CE_i: per row (den: the batch), or per labelled token of sequence rows (den: their count)."
+        if y.ndim == 2: return sequence_grad_logits(logits, y, weights, denominator)
+        return ce_residuals(logits, y) * (weights / (len(self.y) if denominator is None else denominator))[:, None]
+
     def step(self, mode: str, k: float) -> dict:
         "One step in `mode` ('dense', 'masked', 'reforward', 'reuse' or the 'kept_only' reference); seconds per phase."
         if mode == 'kept_only': return self._kept_only_step(k)
@@ -128,14 +136,15 @@ class StepRunner:
         fwd = engine.forward(self.x)
         self._sync(); t1 = time.perf_counter()
         res = None
-        if mode != 'dense':
+        if mode != 'dense' and self.y.ndim == 2:           # sequence rows: the row Gram of G_i = Σ_t r_t h̃_tᵀ / N
+            sel = select_sequences(fwd.logits, self.y, fwd.features, self.budget); del sel
+        elif mode != 'dense':
             res = residuals(fwd.logits, self.y)
             sel = select(res, fwd.features.float(), fwd.logits.argmax(1) == self.y, self.budget)
             del sel
         self._sync(); t2 = time.perf_counter()
-        keep = torch.ones_like(self.y, dtype=torch.bool) if mode == 'dense' else self.keep_mask(k)
-        if res is None: res = ce_residuals(fwd.logits, self.y)
-        grad = res * (keep.float() / B)[:, None]
+        keep = torch.ones(B, dtype=torch.bool, device=self.device) if mode == 'dense' else self.keep_mask(k)
+        grad = self.loss_grad(fwd.logits, self.y, keep.float()) if res is None else res * (keep.float() / B)[:, None]
         self._sync(); t3 = time.perf_counter()
         engine.backward(fwd, grad, keep)
         del fwd, res, grad
@@ -153,10 +162,10 @@ class StepRunner:
         self._sync(); t0 = time.perf_counter()
         fwd = engine.forward(xk)
         self._sync(); t1 = time.perf_counter()
-        y = self.y[keep]
-        grad = ce_residuals(fwd.logits, y) / B
+        y, ones = self.y[keep], torch.ones(int(keep.sum()), device=self.device)
+        grad = self.loss_grad(fwd.logits, y, ones, B if y.ndim == 1 else (self.y != IGNORE_INDEX).sum().clamp_min(1))
         self._sync(); t2 = time.perf_counter()
-        engine.backward(fwd, grad, torch.ones_like(y, dtype=torch.bool))
+        engine.backward(fwd, grad, ones.bool())
         del fwd
         self._sync(); t3 = time.perf_counter()
         self.opt.step(); self.opt.zero_grad(set_to_none=True)
@@ -178,6 +187,8 @@ class StepBench:
     budget: float = DEFAULT_BUDGET  # the selector's budget b
     seed: int = 0
     compile: bool = False           # every mode and the kept_only reference through torch.compile (inductor)
+    seq: int = 0                    # > 0: a causal LM (model 'width_lm': `WidthLM`) on random ids of `seq` tokens per row,
+    width: int = 768; vocab: int = 50257; layers: int = 2   # of GPT-2 small's d and V (our benchmark shape), 2 blocks
 
 def _in_channels(model: nn.Module) -> int:
     "The first convolution's input channels (3 if there is none)."
@@ -188,6 +199,7 @@ def build_runner(bench: StepBench) -> StepRunner:
     "The model (at `img` px where its constructor takes a size), a seeded batch, and the runner."
     device = torch.device(bench.device)
     torch.manual_seed(bench.seed)
+    if bench.seq > 0: return build_lm_runner(bench)
     try: model = create_model(bench.model, num_classes=bench.num_classes, img_size=bench.img)
     except TypeError: model = create_model(bench.model, num_classes=bench.num_classes)
     model = model.to(device).train()
@@ -195,6 +207,13 @@ def build_runner(bench: StepBench) -> StepRunner:
     x = torch.randn(bench.batch, _in_channels(model), bench.img, bench.img, generator=gen).to(device)
     y = torch.randint(0, bench.num_classes, (bench.batch,), generator=gen).to(device)
     return StepRunner(model, x, y, bench.budget, bench.seed, bench.compile)
+
+def build_lm_runner(bench: StepBench) -> StepRunner:
+    "A `WidthLM` of `bench.layers` blocks at width `bench.width`, random ids [B, seq] and their next tokens as labels."
+    model = WidthLM(bench.layers, bench.width, bench.vocab, max(1, bench.width // 64), max(1024, bench.seq), features=False)
+    x, y = token_batch(bench.batch, bench.seq, bench.vocab, bench.seed, bench.device)
+    return StepRunner(model.to(bench.device).train(), x, y, bench.budget, bench.seed, bench.compile)
+
 
 # %% ../../nbs/08b_bench_step.ipynb #d01f6273
 def configs(keeps: list[float]) -> list[tuple[str, float]]:

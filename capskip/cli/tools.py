@@ -141,6 +141,11 @@ def _step_parser() -> argparse.ArgumentParser:
     p.add_argument('--repeats', type=int, default=7, help='interleaved repetitions, whose medians are reported (default %(default)s)')
     p.add_argument('--warmup', type=int, default=2, help='warm-up steps per configuration (default %(default)s)')
     p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
+    p.add_argument('--seq', type=int, default=0, help='with --model width_lm: tokens per row of a causal LM on random ids '
+                   '(its rows are sequences; try 128)')
+    p.add_argument('--width', type=int, default=768, help='width_lm: width d (default %(default)s, GPT-2 small)')
+    p.add_argument('--vocab', type=int, default=50257, help='width_lm: vocabulary V (default %(default)s, GPT-2)')
+    p.add_argument('--layers', type=int, default=2, help='width_lm: transformer blocks (default %(default)s)')
     p.add_argument('--num-classes', type=int, default=100, help="classes of the model's head and the random labels (default %(default)s)")
     p.add_argument('--budget', type=float, default=literal_constant('capskip.core', 'DEFAULT_BUDGET'),
                    help="the selector's budget b (default %(default)s: capskip.core.DEFAULT_BUDGET)")
@@ -179,6 +184,10 @@ def bench_step_main(argv: list[str] | None = None) -> int:
     if ns.batch < 2: p.error(f'--batch must be >= 2, got {ns.batch}')
     if ns.repeats < 1 or ns.warmup < 0: p.error('--repeats must be >= 1 and --warmup >= 0')
     if ns.ddp == 1 or ns.ddp < 0: p.error(f'--ddp needs at least 2 processes, got {ns.ddp}')
+    if (ns.model == 'width_lm') != (ns.seq > 0):
+        p.error('--model width_lm benchmarks a causal LM and needs --seq TOKENS (e.g. 128); --seq needs --model width_lm')
+    if ns.seq and (min(ns.width, ns.vocab, ns.layers) < 1 or ns.width % 64):
+        p.error(f'--width must be a multiple of 64 (heads of 64), --vocab and --layers >= 1; got {ns.width}, {ns.vocab}, {ns.layers}')
     if ns.ddp: return _bench_ddp(p, ns)
     import torch                                      # the benchmarks import torch (after parsing); docs and readme do not
     from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
@@ -193,16 +202,17 @@ def bench_step_main(argv: list[str] | None = None) -> int:
     from capskip.runs.models import MODELS, list_models
     try:
         keeps = parse_keeps(ns.keep)
-        if not (ns.model in MODELS or ns.model.startswith(('timm:', 'torchvision:', 'hf:'))):   # before any measuring process
+        if not (ns.model in MODELS or ns.model == 'width_lm' or ns.model.startswith(('timm:', 'torchvision:', 'hf:'))):   # before any measuring process
             raise ValueError(f'--model {ns.model!r} is not a model: choose one of {list_models()}')
     except ValueError as err: print(f'capskip bench step: {err}', file=sys.stderr); return 2
     bench = StepBench(model=ns.model, batch=ns.batch, img=ns.img, num_classes=ns.num_classes, keeps=keeps, device=ns.device,
                       repeats=ns.repeats, warmup=ns.warmup, budget=ns.budget, seed=ns.seed,
-                      compile=ns.compile)
+                      compile=ns.compile, seq=ns.seq, width=ns.width, vocab=ns.vocab, layers=ns.layers)
     if ns.phase != 'all':                              # one measuring process's work, as `launch_phase` runs it
         print(RESULT_PREFIX + json.dumps(run_phase(bench, ns.phase)), flush=True)
         return 0
-    print(f'capskip bench step  model {ns.model}  batch {ns.batch}  img {ns.img}  keep {ns.keep}  device {ns.device}  '
+    shape = f'seq {ns.seq} (causal LM: d {ns.width}, V {ns.vocab}, {ns.layers} blocks)' if ns.seq else f'img {ns.img}'
+    print(f'capskip bench step  model {ns.model}  batch {ns.batch}  {shape}  keep {ns.keep}  device {ns.device}  '
           f'repeats {ns.repeats} (+{ns.warmup} warm-up)  threads {torch.get_num_threads()}  torch {torch.__version__}  '
           f'{"compiled (torch.compile, inductor): every mode and the reference" if ns.compile else "eager"}\n'
           f'machine: {machine_name(ns.device)}  load average {os.getloadavg()[0]:.2f}', flush=True)

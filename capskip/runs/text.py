@@ -92,20 +92,22 @@ HF_CONFIGS = {'bert-tiny-config': dict(model_type='bert', vocab_size=DIGITS_VOCA
                                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=DIGITS_SEQ,
                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=DIGITS_PAD)}
 
-def hf_model(spec: str, num_classes: int) -> nn.Module:
-    "A Hugging Face classifier from a config: a name in `HF_CONFIGS` or the path of a `config.json` (random weights, no download)."
+def _hf_config(spec: str, known: dict, what: str, path_hint: str):
+    "transformers and the config `spec` names: a key of `known` (its options) or the path of a `config.json` (nothing downloaded)."
     try:
         import transformers
     except ImportError:
         raise ValueError(f'hf:{spec} needs transformers: pip install "capskip[hf]"') from None
-    if spec in HF_CONFIGS:
-        options = dict(HF_CONFIGS[spec])
-        config = transformers.AutoConfig.for_model(options.pop('model_type'), **options)
-    elif Path(spec).is_file() or (Path(spec) / 'config.json').is_file():
-        config = transformers.AutoConfig.from_pretrained(spec)
-    else:
-        raise ValueError(f'unknown Hugging Face config {spec!r}: use hf:<one of {sorted(HF_CONFIGS)}> or hf:<path to a '
-                         'config.json> (nothing is downloaded)')
+    if spec in known:
+        options = dict(known[spec])
+        return transformers, transformers.AutoConfig.for_model(options.pop('model_type'), **options)
+    if Path(spec).is_file() or (Path(spec) / 'config.json').is_file():
+        return transformers, transformers.AutoConfig.from_pretrained(spec)
+    raise ValueError(f'unknown {what} {spec!r}: use hf:<one of {sorted(known)}> or {path_hint} (nothing is downloaded)')
+
+def hf_model(spec: str, num_classes: int) -> nn.Module:
+    "A Hugging Face classifier from a config: a name in `HF_CONFIGS` or the path of a `config.json` (random weights, no download)."
+    transformers, config = _hf_config(spec, HF_CONFIGS, 'Hugging Face config', 'hf:<path to a config.json>')
     config.num_labels = num_classes
     vision = getattr(config, 'image_size', None) is not None and getattr(config, 'vocab_size', None) is None
     auto = transformers.AutoModelForImageClassification if vision else transformers.AutoModelForSequenceClassification
@@ -148,18 +150,7 @@ HF_LM_CONFIGS = {
 
 def hf_causal_lm(spec: str) -> nn.Module:
     "A Hugging Face causal LM from a config: a name in `HF_LM_CONFIGS` or the path of a `config.json` (random weights, no download)."
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(f'hf:{spec} needs transformers: pip install "capskip[hf]"') from None
-    if spec in HF_LM_CONFIGS:
-        options = dict(HF_LM_CONFIGS[spec])
-        config = transformers.AutoConfig.for_model(options.pop('model_type'), **options)
-    elif Path(spec).is_file() or (Path(spec) / 'config.json').is_file():
-        config = transformers.AutoConfig.from_pretrained(spec)
-    else:
-        raise ValueError(f'unknown causal-LM config {spec!r}: use hf:<one of {sorted(HF_LM_CONFIGS)}> or --lm with hf:<path '
-                         'to a config.json> (nothing is downloaded)')
+    transformers, config = _hf_config(spec, HF_LM_CONFIGS, 'causal-LM config', '--lm with hf:<path to a config.json>')
     return transformers.AutoModelForCausalLM.from_config(config)
 
 def next_token_labels(batch: dict, ignore_index: int = -100) -> Tensor:
