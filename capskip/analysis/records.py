@@ -33,14 +33,18 @@ FINAL_FIELDS = {'recipe': 'str', 'arm': 'str', 'seed': 'int', 'epochs': 'int', '
                 'val_acc': 'fraction', 'test_acc': 'fraction', 'best_val_acc': 'fraction', 'kept_fraction': 'fraction',
                 'rows_backprop_frac': 'count', 'rows_forwarded_frac': 'count', 'eval_time_s': 'seconds',
                 'warmup_time_s': 'seconds', 'time_matched': 'dict', 'complete': 'bool', 'status': 'str',
-                'diverged': 'dict', 'last_finite_epoch': 'int', 'config_hash': 'str'}
+                'diverged': 'dict', 'last_finite_epoch': 'int', 'config_hash': 'str',
+                # causal-LM runs (capskip.runs.lm): mean cross-entropy per labelled token and its exp
+                'val_loss': 'count', 'val_ppl': 'number', 'test_loss': 'count', 'test_ppl': 'number',
+                'best_val_loss': 'count', 'train_loss': 'number'}
 FINAL_REQUIRED = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
                   'kept_fraction', 'complete')
 DIVERGED_FIELDS = {'epoch': 'int', 'step': 'int', 'steps': 'int', 'what': 'str', 'peak_lr': 'number'}
 ROW_FIELDS = {'epoch': 'int', 'train_time_s': 'seconds', 'epoch_time_s': 'seconds', 'eval_time_s': 'seconds',
               'warmup_time_s': 'seconds', 'lr': 'number', 'steps': 'count', 'loss': 'number', 'train_acc': 'fraction',
               'val_acc': 'fraction', 'test_acc': 'fraction', 'rows_forwarded': 'count', 'rows_backprop': 'count',
-              'kept_fraction': 'fraction', 'mean_distortion': 'count', 'rows_pruned': 'count', 'policy': 'dict'}
+              'kept_fraction': 'fraction', 'mean_distortion': 'count', 'rows_pruned': 'count', 'policy': 'dict',
+              'val_loss': 'count', 'val_ppl': 'number', 'test_loss': 'count', 'test_ppl': 'number'}   # LM runs
 ROW_REQUIRED = ('epoch', 'train_time_s', 'lr', 'loss', 'train_acc', 'val_acc', 'test_acc', 'rows_forwarded',
                 'rows_backprop', 'kept_fraction', 'mean_distortion', 'rows_pruned')
 

@@ -16,7 +16,7 @@ from .figures import accuracy_time_figure, epoch_curves_figure, kept_budget_figu
 from .pairs import Bar, pairing_table
 from .results import Notes, Table, arm_setting_notes, diverged_table, index_runs, load_runs
 from .tables import (bench_table, composition_table, controls_table, equal_epoch_table,
-                                     kept_vs_budget_table, runs_table, time_matched_table, tta_table)
+                                     kept_vs_budget_table, runs_table, sequence_table, time_matched_table, tta_table)
 from ..runs.runio import atomic_write_bytes
 
 # %% auto #0
@@ -59,7 +59,8 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
     groups = index_runs(runs, metric, notes)
     sections = {}
     for group, data in groups.items():
-        built = [runs_table(data), equal_epoch_table(data, reference), time_matched_table(data, reference, tolerance),
+        built = [runs_table(data), equal_epoch_table(data, reference), sequence_table(data, reference),
+                 time_matched_table(data, reference, tolerance),
                  controls_table(data, reference, primary), tta_table(data, reference, targets), composition_table(data, baseline, bar)]
         sections[group] = [t for t in built if t is not None]
     global_tables = [t for t in [diverged_table(runs), pairing_table(runs, pairs or [], metric, notes, bar),

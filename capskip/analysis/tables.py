@@ -15,9 +15,9 @@ from .pairs import Bar
 from .stats import dense_margin, format_comparison, tta_ratio
 
 # %% auto #0
-__all__ = ['BENCH_PHASE_FIELDS', 'BENCH_FIELDS', 'runs_table', 'equal_epoch_table', 'time_matched_table', 'controls_table',
-           'default_target', 'tta_table', 'composition_table', 'kept_vs_budget_table', 'check_bench_rows',
-           'load_bench_rows', 'bench_table']
+__all__ = ['BENCH_PHASE_FIELDS', 'BENCH_FIELDS', 'runs_table', 'equal_epoch_table', 'sequence_table', 'time_matched_table',
+           'controls_table', 'default_target', 'tta_table', 'composition_table', 'kept_vs_budget_table',
+           'check_bench_rows', 'load_bench_rows', 'bench_table']
 
 # %% ../../nbs/07b_tables.ipynb #2552d256
 def _short(name: str) -> str:
@@ -68,6 +68,49 @@ def equal_epoch_table(data: ReportData, reference: str = 'dense') -> Table | Non
             table.rows.append([arm, e, len(seeds), format_comparison(time_c), format_comparison(acc_c), format_value(bwd, '.1f')])
             table.records.append({'arm': arm, 'epochs': e, 'reference': reference, 'n': len(seeds),
                                   **comparison_fields('time_ratio', time_c), **comparison_fields('acc_diff_pp', acc_c), 'rows_bwd_pct': bwd})
+    return table if table.rows else None
+
+# %% ../../nbs/07b_tables.ipynb #b0161583
+def _lower_is_better(c, digits: int = 4) -> str:
+    "A comparison where lower is better: 'better' if the interval lies below 0 (ratio: 1), 'worse' if above."
+    if c is None: return '–'
+    text = format_comparison(c, digits, label=False)
+    if c.lo is None: return f'{text} {c.label}'
+    zero = 0.0 if c.kind == 'difference' else 1.0
+    verdict = 'better' if c.hi < zero else 'worse' if c.lo > zero else 'unresolved'
+    return f'{text} {verdict}' + (f' ({c.caveat})' if c.caveat else '')
+
+def sequence_table(data: ReportData, reference: str = 'dense') -> Table | None:
+    "Causal-LM runs vs `reference` at equal epochs: loss difference and perplexity ratio (lower is better), time ratio, token-accuracy difference, rows bwd; None without LM runs."
+    split = _short(data.metric)
+    if reference not in data.arms(): return None
+    table = Table('lm_equal_epochs', f'Causal LM, equal epochs: each arm vs {reference}',
+                  f'Paired by seed. {split} loss: mean cross-entropy per labelled token (nats); diff = arm − {reference}, mean '
+                  f'and 95% t-interval; ppl = exp(loss), ratio as a geometric mean, t-interval in log space. Lower is better: '
+                  f'"better" only if the interval lies below 0 (1). Token accuracy difference in pp.',
+                  ['arm', 'epochs', 'n', f'{split} loss diff [95% CI]', f'{split} ppl ratio [95% CI]',
+                   f'time ratio vs {reference} [95% CI]', f'{split} token acc diff (pp) [95% CI]', 'rows bwd (%)'])
+    def values(arm, e, seeds, key):
+        return {s: float(v) for s in seeds if (v := (data.runs(arm, e)[s].final or {}).get(key)) is not None}
+    for arm in data.arms():
+        if arm == reference: continue
+        for e in data.budgets(arm):
+            if not data.runs(reference, e): continue              # equal_epoch_table notes the missing reference
+            seeds, time_c, acc_c = _pair_values(data, arm, e, reference, e, 'equal epochs')
+            where = f'{data.where(arm, e)} vs {reference} ep{e}'
+            loss_a, loss_r = values(arm, e, seeds, f'{split}_loss'), values(reference, e, seeds, f'{split}_loss')
+            common = sorted(set(loss_a) & set(loss_r))
+            if not common: continue                               # not LM runs
+            ppl = lambda m: {s: math.exp(m[s]) for s in common}
+            loss_c = compare('difference', {s: loss_a[s] for s in common}, {s: loss_r[s] for s in common}, data.notes, f'{where} ({split}_loss)')
+            ppl_c = compare('ratio', ppl(loss_a), ppl(loss_r), data.notes, f'{where} ({split}_ppl)')
+            bwd = mean_present(rows_bwd_percent(data.runs(arm, e)[s]) for s in seeds)
+            table.rows.append([arm, e, len(common), _lower_is_better(loss_c, 4), _lower_is_better(ppl_c, 3),
+                               format_comparison(time_c), format_comparison(acc_c), format_value(bwd, '.1f')])
+            table.records.append({'arm': arm, 'epochs': e, 'reference': reference, 'n': len(common),
+                                  **comparison_fields('loss_diff', loss_c), **comparison_fields('ppl_ratio', ppl_c),
+                                  **comparison_fields('time_ratio', time_c), **comparison_fields('acc_diff_pp', acc_c),
+                                  'rows_bwd_pct': bwd})
     return table if table.rows else None
 
 # %% ../../nbs/07b_tables.ipynb #782dfdf3

@@ -98,8 +98,8 @@ def train_main(argv: list[str] | None = None) -> int:
         if dist is None or dist.rank == 0: print(f'capskip train: {divergence_message(final, folder, config.amp)}', file=sys.stderr)
         return DIVERGED_EXIT
     if final.get('complete') and (dist is None or dist.rank == 0):
-        print(json.dumps({k: final[k] for k in ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc',
-                                                'test_acc', 'rows_backprop_frac', 'kept_fraction')}))
+        keys = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac', 'kept_fraction')
+        print(json.dumps({k: final[k] for k in keys + tuple(k for k in ('test_loss', 'test_ppl') if k in final)}))  # LM runs
     return 0
 
 # %% ../../nbs/09b_cli_runs.ipynb #3d55857a

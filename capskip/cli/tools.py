@@ -142,7 +142,7 @@ def _step_parser() -> argparse.ArgumentParser:
     p.add_argument('--warmup', type=int, default=2, help='warm-up steps per configuration (default %(default)s)')
     p.add_argument('--img', type=int, default=32, help='image side in pixels (default %(default)s)')
     p.add_argument('--seq', type=int, default=0, help='with --model width_lm: tokens per row of a causal LM on random ids '
-                   '(its rows are sequences; try 128)')
+                   '(its rows are sequences; try 128; default %(default)s: images)')
     p.add_argument('--width', type=int, default=768, help='width_lm: width d (default %(default)s, GPT-2 small)')
     p.add_argument('--vocab', type=int, default=50257, help='width_lm: vocabulary V (default %(default)s, GPT-2)')
     p.add_argument('--layers', type=int, default=2, help='width_lm: transformer blocks (default %(default)s)')

@@ -12,13 +12,16 @@ import torch
 
 from ..core import derive_seed
 from ..policies import POLICIES, create_policy, list_policies, policy_options
-from .data import create_splits, make_loader
+from .corpus import LMSplits        # importing it registers 'stdlib_lm' and 'stdlib_sft' with create_splits
+from .data import Splits, create_splits, make_loader
 from .models import MODELS, create_model
-from .recipes import TrainConfig
+from .recipes import OPTIMIZERS, TrainConfig
+from .schedules import make_sgd
+from .text import TokenRows
 
 # %% auto #0
-__all__ = ['resolve_device', 'build_splits', 'check_pretrained', 'build_model', 'policy_kwargs', 'build_policy',
-           'autocast_context', 'evaluate']
+__all__ = ['SEQUENCE_DATA', 'SEQUENCE_ARMS', 'resolve_device', 'sequence_splits', 'build_splits', 'check_pretrained',
+           'build_model', 'policy_kwargs', 'build_optimizer', 'build_policy', 'autocast_context', 'evaluate']
 
 # %% ../../nbs/05g_build.ipynb #a941ba24
 def resolve_device(name: str = 'auto') -> torch.device:
@@ -37,14 +40,23 @@ def resolve_device(name: str = 'auto') -> torch.device:
                          f'({device.type}:0..{device.type}:{count - 1})')
     return device
 
+SEQUENCE_DATA = ('stdlib_lm', 'stdlib_sft')              # data sets whose rows are sequences (capskip.runs.corpus)
+SEQUENCE_ARMS = ('dense', 'capskip', 'capskip_masked')   # the arms that train sequence rows (capskip.runs.lm)
+
+def sequence_splits(lm: LMSplits) -> Splits:
+    "`LMSplits` as the runner's `Splits`: `TokenRows` of input ids `[N, L]` with token labels `[N, L]`; `num_classes` is the vocabulary."
+    part = lambda rows: TokenRows(rows.input_ids, rows.labels)
+    return Splits(part(lm.train), part(lm.val), part(lm.test), lm.vocab_size, 0)
+
 def build_splits(config: TrainConfig):
-    "The data splits of `config` (train augmentation seeded by the run seed)."
+    "The data splits of `config` (train augmentation seeded by the run seed; LM rows as `sequence_splits`)."
     kw = dict(config.data_kw, seed=config.data_seed)
     if config.data == 'cifar100':
         if not config.data_root:
             raise ValueError('CIFAR-100 recipes need --data-root PATH (the folder holding cifar-100-python/)')
         kw.update(root=config.data_root, download=config.download)
     splits = create_splits(config.data, **kw)
+    if isinstance(splits, LMSplits): splits = sequence_splits(splits)
     if hasattr(splits.train, 'seed'): splits.train.seed = int(config.seed)
     return splits
 
@@ -79,12 +91,25 @@ def policy_kwargs(config: TrainConfig) -> dict:
     "The `policy_kw` entries the arm's policy accepts (a recipe's `budget` does not reach `dense`); unknown keys are errors."
     if config.arm not in POLICIES:
         raise ValueError(f'unknown arm {config.arm!r}; choose one of: {", ".join(list_policies())}')
+    if config.data in SEQUENCE_DATA and config.arm not in SEQUENCE_ARMS:
+        raise ValueError(f'arm {config.arm!r} cannot train sequence rows (recipe {config.recipe!r} trains a causal LM on '
+                         f'{config.data!r}): choose one of {", ".join(SEQUENCE_ARMS)}')
+    if config.data in SEQUENCE_DATA and config.label_smoothing:
+        raise ValueError(f'sequence rows take one-hot token targets: drop label_smoothing={config.label_smoothing} (--set label_smoothing=0)')
     entry = POLICIES.get(config.arm)
     accepted = policy_options(entry.obj) - set(entry.preset)
     known = set().union(*(policy_options(POLICIES[name]) for name in POLICIES))
     unknown = sorted(set(config.policy_kw) - known - accepted)
     if unknown: raise ValueError(f'policy_kw {unknown} is not an option of any policy; {config.arm!r} accepts {sorted(accepted)}')
     return {k: v for k, v in config.policy_kw.items() if k in accepted}
+
+def build_optimizer(config: TrainConfig, params, lr: float) -> torch.optim.Optimizer:
+    "The recipe's optimiser at learning rate `lr`: SGD (`momentum`, `nesterov`, `weight_decay`) or AdamW (`weight_decay`; torch's betas 0.9, 0.999 and eps 1e-8)."
+    if config.optimizer == 'sgd': return make_sgd(params, lr, config.momentum, config.weight_decay, config.nesterov)
+    if config.optimizer != 'adamw': raise ValueError(f'optimizer must be one of {list(OPTIMIZERS)}, got {config.optimizer!r}')
+    params = [p for p in params if p.requires_grad]
+    if not params: raise ValueError('no trainable parameters: every parameter has requires_grad=False')
+    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
 
 def build_policy(config: TrainConfig, model: torch.nn.Module, dist=None):
     "The arm's policy; on a data-parallel run it plans this process's shard."

@@ -9,6 +9,7 @@ import fnmatch
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..engine.head import find_head
@@ -16,9 +17,9 @@ from ..registry import Registry
 from .text import DigitsText, hf_model
 
 # %% auto #0
-__all__ = ['HEAD_PREFIXES', 'MODELS', 'PASS_THROUGHS', 'largest_divisor', 'batchnorm_to_groupnorm', 'zero_head',
+__all__ = ['HEAD_PREFIXES', 'MODELS', 'PASS_THROUGHS', 'LM_DTYPES', 'largest_divisor', 'batchnorm_to_groupnorm', 'zero_head',
            'read_state_dict', 'load_pretrained', 'resnet18_gn', 'deit_s', 'vit_tiny', 'digits_cnn', 'list_models',
-           'digits_text', 'create_model']
+           'digits_text', 'create_model', 'CausalBlock', 'TinyGPT', 'tiny_gpt']
 
 # %% ../../nbs/04_models.ipynb #976fb15c
 def largest_divisor(channels: int, at_most: int) -> int:
@@ -204,3 +205,55 @@ def create_model(name: str, num_classes: int = 100, **kw) -> nn.Module:
         raise ValueError(f"{name}: the last nn.Linear has {head.out_features} outputs, not {num_classes}; "
                          "CAPSkip needs the classifier to be the final linear layer")
     return model
+
+# %% ../../nbs/04_models.ipynb #1ea0eefa
+class CausalBlock(nn.Module):
+    "A pre-LayerNorm Transformer block: causal multi-head self-attention, then a 4×-wide GELU MLP, each added to the residual stream."
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)      # [B, heads, L, D / heads]
+        x = x + self.proj(att.transpose(1, 2).reshape(B, L, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    "A small causal LM: token ids `[B, L]` → logits `[B, L, vocab_size]` (token + position embeddings, `depth` pre-LN causal blocks, final LayerNorm, untied bias-free `lm_head`)."
+    def __init__(self, vocab_size: int, dim: int = 64, depth: int = 2, heads: int = 4, max_len: int = 512):
+        super().__init__()
+        for name, v in (('vocab_size', vocab_size), ('dim', dim), ('depth', depth), ('heads', heads), ('max_len', max_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be a positive int, got {v!r}')
+        if dim % heads: raise ValueError(f'dim ({dim}) must be a multiple of heads ({heads}): each head takes dim / heads')
+        self.tok, self.pos = nn.Embedding(vocab_size, dim), nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(CausalBlock(dim, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)          # registered last: `find_head`'s guess
+        for m in self.modules():                                        # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)): nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None: nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        L = input_ids.shape[1]
+        if L > self.pos.num_embeddings:
+            raise ValueError(f'sequences of {L} tokens exceed max_len={self.pos.num_embeddings}: build the model with a larger max_len')
+        x = self.tok(input_ids) + self.pos.weight[:L]
+        for block in self.blocks: x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+LM_DTYPES = {'float32': torch.float32, 'float64': torch.float64}
+
+@MODELS.register('tiny_gpt')
+def tiny_gpt(num_classes: int = 259, dim: int = 64, depth: int = 2, heads: int = 4, max_len: int = 512,
+             dtype: str = 'float32', pretrained: str | Path | None = None) -> nn.Module:
+    "`TinyGPT` with a vocabulary of `num_classes` tokens (the head's outputs; 259: `ByteTokenizer`'s), in `dtype` ('float32' or 'float64')."
+    if dtype not in LM_DTYPES: raise ValueError(f"dtype must be one of {list(LM_DTYPES)}, got {dtype!r}")
+    model = TinyGPT(num_classes, dim=dim, depth=depth, heads=heads, max_len=max_len).to(LM_DTYPES[dtype])
+    return load_pretrained(model, pretrained) if pretrained else model

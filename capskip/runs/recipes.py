@@ -21,8 +21,8 @@ from .runio import MAX_EPOCHS
 from .schedules import LR_SCHEDULES
 
 # %% auto #0
-__all__ = ['RECIPES', 'TrainConfig', 'register_recipe', 'list_recipes', 'get_recipe', 'parse_value', 'apply_overrides',
-           'parse_set', 'validate_config', 'resolve_config', 'recipes_table']
+__all__ = ['RECIPES', 'OPTIMIZERS', 'TrainConfig', 'register_recipe', 'list_recipes', 'get_recipe', 'parse_value',
+           'apply_overrides', 'parse_set', 'validate_config', 'resolve_config', 'recipes_table']
 
 # %% ../../nbs/05a_recipes.ipynb #ea97f3b8
 @dataclass
@@ -55,6 +55,7 @@ class TrainConfig:
     eval_batch_size: int = 512
     eval_every: int = 1                       # evaluate val/test every this many epochs (and at the end)
     # optimiser
+    optimizer: str = 'sgd'                    # 'sgd' (momentum, nesterov below) | 'adamw' (torch's betas and eps)
     base_lr: float = 0.1
     base_batch: int = 128                     # peak lr = base_lr * batch_size / base_batch
     momentum: float = 0.9                     # fixed momentum (unused while cycle_momentum is on)
@@ -91,6 +92,7 @@ _CIFAR = dict(data='cifar100', data_kw={'img_size': 32, 'augment': True}, data_r
               batch_size=128, eval_batch_size=1000)
 
 RECIPES = Registry('recipe', lister='`capskip recipes`')
+OPTIMIZERS = ('sgd', 'adamw')   # TrainConfig.optimizer: capskip.runs.lm.make_optimizer builds them
 
 def register_recipe(name: str, fields_: dict) -> None:
     "Register recipe `name`: the `TrainConfig` fields that differ from the defaults (checked now)."
@@ -165,6 +167,15 @@ for _name, _fields in {
         notes='token ids [B, 65] go to the model as its one input; CAPSkip runs reuse (the probe perturbs the embedding output)',
         data='digits_text', data_kw={}, model='digits_text', base_lr=0.8, base_batch=128, batch_size=64, epochs=20,
         weight_decay=5e-4, clip_norm=1.0, policy_kw={'budget': DEFAULT_BUDGET}, seeds=[1, 2, 3], epoch_budgets=[10, 20]),
+    'stdlib-sft': dict(
+        description='Causal-LM supervised fine-tuning on the standard library\'s functions (prompt: signature + docstring), '
+                    'TinyGPT + AdamW: about a minute per run on 2 CPU cores',
+        notes='a row is a sequence: CAPSkip keeps or skips whole sequences (capskip.runs.lm); val/test report the mean '
+              'cross-entropy per labelled token, its perplexity and token accuracy; arms dense, capskip, capskip_masked',
+        data='stdlib_sft', data_kw={'seq_len': 128, 'max_rows': 256}, model='tiny_gpt',
+        model_kw={'dim': 64, 'depth': 2, 'heads': 4, 'max_len': 128}, optimizer='adamw', base_lr=0.002, base_batch=16,
+        batch_size=16, eval_batch_size=64, epochs=3, weight_decay=0.1, clip_norm=1.0, schedule='warmup_cosine',
+        warmup_frac=0.05, final_lr=0.0, policy_kw={'budget': DEFAULT_BUDGET}, seeds=[1, 2, 3], epoch_budgets=[3]),
 }.items(): register_recipe(_name, _fields)
 
 def list_recipes(pattern: str = '*') -> list[str]:
@@ -225,6 +236,7 @@ def validate_config(config: TrainConfig) -> TrainConfig:
               (config.clip_norm >= 0, 'clip_norm must be >= 0 (0 turns clipping off)'),
               (0 <= config.label_smoothing < 1, 'label_smoothing must be in [0, 1)'),
               (config.schedule in LR_SCHEDULES, f'schedule must be one of {LR_SCHEDULES.list()}'),
+              (config.optimizer in OPTIMIZERS, f'optimizer must be one of {list(OPTIMIZERS)}'),
               (config.amp in ('none', 'bf16'), "amp must be 'none' or 'bf16'"),
               (config.mode in ('dense', 'masked', 'reforward', 'reuse'), "mode must be 'dense', 'masked', 'reforward' or 'reuse'"),
               (not config.cycle_momentum or config.schedule == 'onecycle', "cycle_momentum needs schedule='onecycle'"),

@@ -29,12 +29,12 @@ import torch
 from ..core import SEED_LIMIT
 
 # %% auto #0
-__all__ = ['TMP_SUFFIX', 'MAX_EPOCHS', 'VOLATILE_FIELDS', 'IDENTITY_EXCLUDED', 'EXIT_BUSY', 'LOCK_NAME', 'NoSpaceError',
-           'atomic_write_bytes', 'clean_stale_tmp', 'to_json', 'write_json', 'DuplicateKeyError', 'loads_json',
-           'read_json', 'write_jsonl', 'read_jsonl', 'save_checkpoint', 'load_checkpoint', 'generator_state',
-           'set_generator_state', 'run_dir', 'run_status', 'is_finished', 'git_commit', 'device_name', 'run_metadata',
-           'comparable_config', 'config_identity', 'config_hash', 'RunLockedError', 'lock_owner', 'RunLock',
-           'check_out_dir', 'check_out_file']
+__all__ = ['TMP_SUFFIX', 'MAX_EPOCHS', 'VOLATILE_FIELDS', 'IDENTITY_EXCLUDED', 'ADDED_DEFAULTS', 'EXIT_BUSY', 'LOCK_NAME',
+           'NoSpaceError', 'atomic_write_bytes', 'clean_stale_tmp', 'to_json', 'write_json', 'DuplicateKeyError',
+           'loads_json', 'read_json', 'write_jsonl', 'read_jsonl', 'save_checkpoint', 'load_checkpoint',
+           'generator_state', 'set_generator_state', 'run_dir', 'run_status', 'is_finished', 'git_commit',
+           'device_name', 'run_metadata', 'comparable_config', 'config_identity', 'config_hash', 'RunLockedError',
+           'lock_owner', 'RunLock', 'check_out_dir', 'check_out_file']
 
 # %% ../../nbs/05e_runio.ipynb #325292d4
 TMP_SUFFIX = '.tmp'
@@ -244,10 +244,12 @@ def run_metadata(seed: int, device: str | torch.device) -> dict:
 VOLATILE_FIELDS = ('data_root', 'download', 'num_workers', 'device', 'eval_batch_size', 'description', 'notes',
                    'seeds', 'epoch_budgets', 'time_matched_epochs')  # do not change what a run computes
 IDENTITY_EXCLUDED = ('seed', 'time_matched')   # the seed is the folder's; time_matched records how E was found
+ADDED_DEFAULTS = {'optimizer': 'sgd'}          # fields added later: at this value a run is what it was before the field
 
 def comparable_config(config: dict) -> dict:
-    "A saved or resolved config (as a dict) less its `meta` and the `VOLATILE_FIELDS`: what a run computes from."
-    return {k: v for k, v in config.items() if k not in VOLATILE_FIELDS and k != 'meta'}
+    "A saved or resolved config (as a dict) less its `meta`, the `VOLATILE_FIELDS` and any `ADDED_DEFAULTS` field at its default: what a run computes from."
+    return {k: v for k, v in config.items() if k not in VOLATILE_FIELDS and k != 'meta'
+            and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}
 
 def config_identity(config) -> dict:
     "`comparable_config` less the seed (a dict, or a `TrainConfig`): what the runs pooled across seeds must share."

@@ -12,8 +12,9 @@ from .recipes import RECIPES, TrainConfig, get_recipe
 
 # %% auto #0
 __all__ = ['SOURCE_KINDS', 'SETTING_SOURCES', 'SCRATCH_SOURCES', 'IB_SOURCES', 'COLLAPSE_SOURCES', 'B1_SOURCES',
-           'FINETUNE_SOURCES', 'RECIPE_SOURCES', 'ARM_OPTION_SOURCES', 'ARM_PLUMBING', 'IMPLICIT_CHOICES', 'Source',
-           'paper', 'assumption', 'setting', 'unused', 'arm_settings', 'flat_fields', 'recipe_sources', 'show_recipe']
+           'FINETUNE_SOURCES', 'RECIPE_SOURCES', 'SFT_SOURCES', 'ARM_OPTION_SOURCES', 'ARM_PLUMBING',
+           'IMPLICIT_CHOICES', 'Source', 'paper', 'assumption', 'setting', 'unused', 'arm_settings', 'flat_fields',
+           'recipe_sources', 'show_recipe']
 
 # %% ../../nbs/05c_sources.ipynb #40763ec0
 SOURCE_KINDS = ('paper', 'assumption', 'setting', 'unused')
@@ -86,6 +87,7 @@ SCRATCH_SOURCES: dict[str, Source] = {
                           'InfoBatch runs "At peak learning rate 0.1 without clipping" (the peak is base_lr × batch_size / base_batch)'),
     'base_batch': assumption('the reference batch of the linear lr rule, equal to the batch size here, so the peak is base_lr'),
     'momentum': unused('cycle_momentum sets the momentum before every step'),
+    'optimizer': assumption('SGD with momentum, the optimiser the paper names for fine-tuning (§4.1 Fine-tuning: SGD with momentum); the from-scratch paragraph names momentum and weight decay, both SGD settings'),
     'nesterov': assumption('plain momentum: the paper names no Nesterov'),
     'weight_decay': paper('§4.1 From scratch', 'weight decay [5e-4]', _LOST),
     'clip_norm': assumption('inferred: §4.1 names no clipping for dense and CAPSkip; §4.4 introduces clipping at 5 as '
@@ -162,6 +164,7 @@ FINETUNE_SOURCES: dict[str, Source] = {
     'base_lr': assumption('the paper\'s "base learning rate scaled by [B/B0]" lost both numbers; 0.03 at batch 512 is the ViT transfer protocol\'s [6] fine-tuning rate'),
     'base_batch': assumption('the ViT transfer protocol\'s reference batch 512 (lost in the extracted text)'),
     'momentum': paper(_FT, 'SGD with momentum [0.9]', _LOST),
+    'optimizer': paper(_FT, 'SGD with momentum [0.9]'),
     'nesterov': assumption('plain momentum: the paper names no Nesterov'),
     'weight_decay': paper(_FT, 'no weight decay'),
     'clip_norm': paper(_FT, 'global-norm clipping at [1]', _LOST),
@@ -230,6 +233,50 @@ RECIPE_SOURCES: dict[str, dict[str, Source]] = {
         'epoch_budgets': assumption('10 and 20 epochs: two budgets give the report its dense accuracy-time envelope'),
         'clip_norm': assumption('global-norm clipping at 1, the usual guard for Transformer training with a large SGD step')}),
 }
+
+# %% ../../nbs/05c_sources.ipynb #c4fecf36
+_SFT = 'our assumption: a CPU-sized causal-LM task (about a minute per run on 2 CPU cores), not the paper\'s setting'
+_SFT_ONECYCLE = unused('read only by the one-cycle schedule; this recipe uses warm-up + cosine')
+_SFT_SGD = unused('read only by SGD; this recipe uses AdamW')
+
+SFT_SOURCES: dict[str, Source] = {
+    'data': assumption('prompt/completion rows of the standard library\'s functions (signature + docstring → body): an '
+                       'offline fine-tuning task whose prompt tokens carry no loss (capskip.runs.corpus)'),
+    'data_kw.seq_len': assumption('128 byte tokens, a step short enough for a CPU; prompts longer than a row are left out '
+                                  '(765 training rows remain of the split at 128, 1181 at 256)'),
+    'data_kw.max_rows': assumption('the first 256 rows of each split: 16 steps an epoch at batch 16'),
+    'data_seed': assumption('the seed of the one fixed split by module (the same modules in every run)'),
+    'model': assumption('TinyGPT: GPT-2\'s pre-LN layout at toy size in plain torch (capskip.runs.models)'),
+    'model_kw.dim': assumption('width 64: a model small enough for a minute per run on 2 CPU cores'),
+    'model_kw.depth': assumption('2 blocks: attention over attention, the least depth of a language model\'s usual shape'),
+    'model_kw.heads': assumption('4 heads of 16 dimensions each'),
+    'model_kw.max_len': assumption('= data_kw.seq_len: the positions a row has'),
+    'requires_pretrained': assumption('from random initialisation: nothing to download; --pretrained PATH fine-tunes a saved TinyGPT'),
+    'policy_kw.budget': paper('Table 4 caption', 'CAPSkip (b=0.09) vs dense', 'the paper\'s budget, kept for sequence rows'),
+    'mode': paper('§3 Execution requirement', 'a one-forward selective-backward execution that reuses the scoring forward’s activations'),
+    'epochs': assumption('3 epochs: a run within a minute on 2 CPU cores (capskip seed 1 measured at 32 s: data 20 s, reuse '
+                          'warm-up 7 s, training 4 s; several times longer on a loaded machine)'),
+    'epoch_budgets': assumption('the 3 epochs'),
+    'batch_size': assumption('16 sequences (2048 token positions) a step: a CPU-sized step'),
+    'eval_every': assumption('every epoch: the report\'s curves need each epoch\'s validation loss'),
+    'optimizer': assumption('AdamW: the usual optimiser for Transformer language models (torch\'s betas 0.9, 0.999 and eps 1e-8)'),
+    'base_lr': assumption('peak 2e-3 at batch 16: in the 1e-3–3e-3 range of small GPT training (e.g. nanoGPT\'s character '
+                          'model at 1e-3), a little higher for a short run'),
+    'base_batch': assumption('the batch size: the peak is base_lr'),
+    'momentum': _SFT_SGD, 'nesterov': _SFT_SGD,
+    'weight_decay': assumption('0.1, GPT-2/3-style AdamW decay (applied to every parameter, as the SGD recipes decay)'),
+    'clip_norm': assumption('global-norm clipping at 1, the usual guard for Transformer training'),
+    'label_smoothing': assumption('none: CAPSkip\'s sequence rows take one-hot token targets'),
+    'schedule': assumption('linear warm-up then cosine decay, the usual LM schedule'),
+    'warmup_frac': assumption('5% warm-up, the fine-tuning recipe\'s (§4.1) fraction'),
+    'final_lr': assumption('cosine to 0'),
+    'pct_start': _SFT_ONECYCLE, 'div_factor': _SFT_ONECYCLE, 'final_div_factor': _SFT_ONECYCLE,
+    'cycle_momentum': _SFT_ONECYCLE, 'base_momentum': _SFT_ONECYCLE, 'max_momentum': _SFT_ONECYCLE,
+    'amp': assumption('fp32 on a CPU'),
+    'seeds': assumption('three seed pairs, as the digits recipes'),
+    'time_matched_epochs': unused('no time-matched budget'),
+}
+RECIPE_SOURCES['stdlib-sft'] = SFT_SOURCES
 
 # %% ../../nbs/05c_sources.ipynb #a77ce002
 ARM_OPTION_SOURCES: dict[str, Source] = {

@@ -79,12 +79,14 @@ class SweepResult:
     def table(self) -> str:
         "A text table of the runs."
         fmt = lambda v, f: '-' if v is None else format(v, f)
-        lines = [f'{"arm":<28} {"seed":>5} {"epochs":>6} {"status":<8} {"train s":>8} {"test acc":>8} {"bwd rows":>8}']
+        lm = any('test_ppl' in (r.get('final') or {}) for r in self.records)     # causal-LM runs: perplexity too
+        lines = [f'{"arm":<28} {"seed":>5} {"epochs":>6} {"status":<8} {"train s":>8} {"test acc":>8} {"bwd rows":>8}'
+                 + (f' {"test ppl":>9}' if lm else '')]
         for r in self.records:
             f = r.get('final') or {}
             lines.append(f'{r["arm"]:<28} {r["seed"]:>5} {r["epochs"]:>6} {r["status"]:<8} '
                          f'{fmt(f.get("train_time_s"), ".1f"):>8} {fmt(f.get("test_acc"), ".4f"):>8} '
-                         f'{fmt(f.get("rows_backprop_frac"), ".1%"):>8}')
+                         f'{fmt(f.get("rows_backprop_frac"), ".1%"):>8}' + (f' {fmt(f.get("test_ppl"), ".3f"):>9}' if lm else ''))
         return '\n'.join(lines)
 
 def _run_one(spec: RunSpec, out, overrides: dict, named: dict, progress: str, result: SweepResult, log) -> dict | None:

@@ -21,14 +21,15 @@ from tqdm.auto import tqdm
 
 from ..checks import value_checks_off
 from ..core import derive_seed
-from .build import autocast_context, build_model, build_policy, build_splits, evaluate, resolve_device
+from .build import autocast_context, build_model, build_optimizer, build_policy, build_splits, resolve_device
+from .lm import evaluate_run, run_policy, sequence_row, sequence_summary
 from .data import make_loader
 from .recipes import TrainConfig
 from .divergence import (FiniteWatch, RunDiverged, diverged_after_error, diverged_summary,
                                      grad_norm, run_tensors)
 from .runio import (VOLATILE_FIELDS, RunLock, RunLockedError, clean_stale_tmp, comparable_config, config_hash, load_checkpoint, read_json, read_jsonl, run_dir,
                                 run_metadata, run_status, save_checkpoint, to_json, write_json, write_jsonl)
-from .schedules import clip_grad_norm, lr_at, make_sgd, momentum_at, scaled_lr, set_lr, step_progress
+from .schedules import clip_grad_norm, lr_at, momentum_at, scaled_lr, set_lr, step_progress
 
 # %% auto #0
 __all__ = ['RunState', 'CorrectCounter', 'train_epoch', 'warm_up', 'check_same_config', 'check_same_threads', 'rebuild_results',
@@ -387,9 +388,10 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
                          f'({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]}): fix the --set model_kw value') from None
     if dist is not None: dist.broadcast_parameters(model)
     policy = build_policy(config, model if dist is None else dist.wrap(model), dist)   # DDP's reducer syncs the backward
+    policy = run_policy(policy, splits, config.arm, dist)                 # sequence rows (a causal LM): capskip.runs.lm
     world = dist.world_size if dist is not None else 1
     peak_lr = scaled_lr(config.base_lr, config.batch_size * world, config.base_batch)  # global batch
-    optimizer = make_sgd(model.parameters(), peak_lr, config.momentum, config.weight_decay, config.nesterov)
+    optimizer = build_optimizer(config, model.parameters(), peak_lr)
     state = RunState(config, device, splits, model, policy, optimizer, peak_lr, dist=dist)
     meta = dict(run_metadata(config.seed, device), config_hash=config_hash(config))
     if dist is not None: meta['world_size'] = dist.world_size
@@ -405,7 +407,7 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
     if is_main: write_json(folder / 'config.json', dict(config.to_dict(), meta=meta))
     last = stop_after if stop_after is not None else config.epochs
     while state.epoch < min(last, config.epochs):
-        try: row = train_epoch(state, progress)
+        try: row = sequence_row(train_epoch(state, progress))
         except RunDiverged as d:          # the diverged epoch is not saved: checkpoint.pt stays the last finite one
             final = dict(diverged_summary(config, d, state.train_time_s, state.epoch, peak_lr), config_hash=meta['config_hash'])
             if is_main: write_json(folder / 'final.json', final)
@@ -416,9 +418,7 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
         epoch = state.epoch + 1
         if epoch % config.eval_every == 0 or epoch == config.epochs:
             t0 = time.perf_counter()
-            if is_main:
-                row['val_acc'] = evaluate(model, splits.val, config.eval_batch_size, device, config.amp, config.num_workers)
-                row['test_acc'] = evaluate(model, splits.test, config.eval_batch_size, device, config.amp, config.num_workers)
+            if is_main: row.update(evaluate_run(model, splits, config, device))   # LM rows: loss, perplexity too
             row['eval_time_s'] = time.perf_counter() - t0
         state.epoch, state.rows = epoch, state.rows + [row]
         if dist is not None: dist.sync_policy(policy, len(splits.train))
@@ -429,7 +429,7 @@ def _train_locked(config: TrainConfig, folder: Path, resume: bool, progress: str
         if dist is not None: dist.barrier()
         _log(progress, _epoch_line(config, row), dist)
     if state.epoch < config.epochs: return state.rows[-1] if state.rows else {}
-    final = dict(final_summary(state), config_hash=meta['config_hash'])
+    final = dict(final_summary(state), **sequence_summary(state.rows), config_hash=meta['config_hash'])
     if is_main:
         rebuild_results(folder, state.rows)              # results.jsonl holds exactly the rows final.json summarises
         write_json(folder / 'final.json', final)
