@@ -10,9 +10,10 @@ _API = {
     'DEFAULT_BUDGET': 'capskip.core',
     # execution (capskip.engine)
     'Engine': 'capskip.engine', 'RowDependenceError': 'capskip.engine', 'HeadError': 'capskip.engine',
+    # the door for your own loop (capskip.skip) and one step's statistics (capskip.steps)
+    'CAPSkip': 'capskip.skip', 'SkipOptions': 'capskip.skip', 'StepStats': 'capskip.steps',
     # policies (capskip.policies)
-    'CAPSkip': 'capskip.policies', 'StepStats': 'capskip.policies', 'create_policy': 'capskip.policies',
-    'list_policies': 'capskip.policies',
+    'create_policy': 'capskip.policies', 'list_policies': 'capskip.policies',
     # models and data for runs (capskip.runs)
     'create_model': 'capskip.runs.models', 'list_models': 'capskip.runs.models',
     'batchnorm_to_groupnorm': 'capskip.runs.models', 'create_splits': 'capskip.runs.data',

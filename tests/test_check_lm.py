@@ -13,7 +13,7 @@ import transformers                      # the hf extra (in dev): a missing pack
 
 from capskip.cli.method import check_main
 from capskip.engine.check import autograd_grads, grad_errors
-from capskip.policies.capskip import shifted_labels
+from capskip.steps import shifted_labels
 from capskip.runs.text import example_inputs, hf_causal_lm, next_token_labels
 
 transformers.logging.set_verbosity_error()

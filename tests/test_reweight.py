@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from capskip.policies import CAPSkip, create_policy
-from capskip.policies.reweight import rwp_mean_prob, rwp_multipliers, rwp_tau, rw_multipliers
+from capskip.reweight import rwp_mean_prob, rwp_multipliers, rwp_tau, rw_multipliers
 from capskip.selector import last_layer_grad, residuals
 from test_policies_helpers import (BATCH, autograd_grads, digits, find_head, grad_errors, head_names, model_grads,
                                    pretrained_mlp)

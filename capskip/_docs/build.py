@@ -62,7 +62,7 @@ def _skipped(rel: PurePosixPath) -> bool:
 
 SIDEBAR = [   # (caption, notebook globs relative to nbs/): the sidebar's sections in reading order; first match wins
     ('Tutorials', ['tutorials/*']),
-    ('The method', ['00_selector.ipynb', '01_engine.ipynb', '02_policies.ipynb']),
+    ('The method', ['00_selector.ipynb', '01_engine.ipynb', '01n_skip.ipynb', '02_policies.ipynb']),
     ('Use it with your framework', ['12*']),
     ('Experiments', ['03_runs.ipynb', '05_train.ipynb', '05r_reproduce.ipynb', '06_analysis.ipynb', '07_report.ipynb',
                      '07d_demo.ipynb', '08_bench.ipynb', '08a_*', '08b_*']),

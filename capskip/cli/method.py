@@ -220,7 +220,7 @@ def check_main(argv: list[str] | None = None) -> int:
     if lm and not isinstance(x, dict):
         p.error(f'--lm checks a causal language model over token ids; {ns.model} takes images: drop --lm')
     if lm:                                          # a row is a sequence: labels aligned with the logits (the next token)
-        from capskip.policies.capskip import shifted_labels
+        from capskip.steps import shifted_labels
         from capskip.runs.text import next_token_labels
         y = shifted_labels(next_token_labels(x))
     else: y = torch.randint(0, ns.num_classes, (ns.batch,), generator=gen).to(device)

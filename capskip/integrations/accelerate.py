@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policies.capskip import CAPSkip
+from ..skip import CAPSkip
 
 # %% auto #0
 __all__ = ['step_metrics']

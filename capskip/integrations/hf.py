@@ -16,8 +16,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..policies.capskip import CAPSkip, shifted_labels
-from ..policies.core import IGNORE_INDEX, StepStats
+from ..skip import CAPSkip
+from ..steps import IGNORE_INDEX, StepStats, shifted_labels
 from ..runs.runio import atomic_write_bytes
 
 # %% auto #0

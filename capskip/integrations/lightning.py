@@ -8,8 +8,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
-from ..policies.capskip import CAPSkip
-from ..policies.core import StepStats
+from ..skip import CAPSkip
+from ..steps import StepStats
 
 # %% auto #0
 __all__ = ['find_skips', 'step_values', 'CAPSkipCallback']

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from ..core import INFOBATCH_DELTA, INFOBATCH_RATIO
-from .core import POLICIES, BasePolicy, Decision, device_generator, record, run_step
+from .core import POLICIES, BasePolicy
+from ..steps import Decision, device_generator, record, run_step
 from .infobatch import InfoBatchPolicy, check_ratio
 
 # %% auto #0

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core import DEFAULT_BUDGET, INFOBATCH_DELTA, INFOBATCH_RATIO
-from .capskip import CAPSkip
+from ..skip import CAPSkip
 from .core import POLICIES, BasePolicy
 from .plans import EpochPlan, batch_rows, plan_generator, shard_rows
-from .reweight import RW_P, RWP_MEAN, RWP_MIN
+from ..reweight import RW_P, RWP_MEAN, RWP_MIN
 
 # %% auto #0
 __all__ = ['INNER_SCHEDULES', 'infobatch_prune', 'epoch_rows', 'InfoBatchSampler', 'InfoBatchDataset', 'InfoBatchPolicy',

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field, fields
 
 from ..core import DEFAULT_BUDGET, INFOBATCH_DELTA, INFOBATCH_RATIO, SEED_LIMIT
-from ..policies.reweight import RW_P, RWP_MEAN, RWP_MIN
+from ..reweight import RW_P, RWP_MEAN, RWP_MIN
 from ..registry import Registry
 from .checks import coerce_field
 from .runio import MAX_EPOCHS
@@ -127,7 +127,7 @@ for _name, _fields in {
         arm='capskip_rw', policy_kw={'budget': 1.0, 'warmup_epochs': 3, 'tail_fraction': 0.125, 'ramp_epochs': 0,
                                      'p': RW_P, 'p_bar': RWP_MEAN, 'p_min': RWP_MIN},
         seeds=[2, 3, 4], epoch_budgets=[120, 200],
-        notes='the paper lost rw\'s p and rwp\'s p-bar and p_min: ours are capskip.policies.reweight\'s defaults'),
+        notes='the paper lost rw\'s p and rwp\'s p-bar and p_min: ours are capskip.reweight\'s defaults'),
     'deit_s_cifar100_finetune': dict(
         _CIFAR, data_kw={'img_size': 224, 'augment': True, 'val_fraction': 0.0}, batch_size=128, eval_batch_size=500,
         description='DeiT-S/16 fine-tuned on all 50k CIFAR-100 training images at 224 px (paper §4.1-4.2, Tables 2-3)',

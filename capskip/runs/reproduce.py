@@ -96,7 +96,7 @@ for _p in [
               cell(SCRATCH, ['dense'], [120, 200], label='dense at lr 0.1')),
              (2, 3, 4, 5, 6), CIFAR_GPU,
              notes=('one machine for every seed: the paper\'s first experiment ran one machine per seed, its replication one machine',
-                    'the "+ rw second half" row runs rw at the recipe\'s b = 0.09 with p = 0.5 (capskip.policies.reweight): '
+                    'the "+ rw second half" row runs rw at the recipe\'s b = 0.09 with p = 0.5 (capskip.reweight): '
                     'the paper does not state that row\'s b, and its removal (0.372, above the plain drop row\'s 0.367, '
                     'where rw at the same b removes less) points to a larger one, e.g. §4.5\'s b = 1')),
     Protocol('table6', 'Table 6: kept fraction vs budget (left); re-weighting at b = 1 (right)', 'paper §4.5, Table 6',

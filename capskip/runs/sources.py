@@ -137,7 +137,7 @@ B1_SOURCES: dict[str, Source] = {
     'policy_kw.warmup_epochs': paper(_T6, '(warm-up of 3 epochs, CAPSkip off in the last 12.5%)'),
     'policy_kw.tail_fraction': paper(_T6, '(warm-up of 3 epochs, CAPSkip off in the last 12.5%)'),
     'policy_kw.ramp_epochs': assumption('no ramp: the caption names warm-up and switch-off only; §4.5 says a linear budget ramp "changed accuracy only within seed noise" without its length'),
-    'policy_kw.p': assumption('rw\'s keep probability: lost in the extracted text; 0.5 is capskip.policies.reweight\'s default'),
+    'policy_kw.p': assumption('rw\'s keep probability: lost in the extracted text; 0.5 is capskip.reweight\'s default'),
     'policy_kw.p_bar': assumption('rwp\'s target mean probability: lost in the extracted text; 0.5 is our default'),
     'policy_kw.p_min': assumption('rwp\'s probability floor: lost in the extracted text; 0.1 is our default'),
     'seeds': paper(_T6, 'mean final validation accuracy at 200 epochs over seeds 2–4'),
@@ -291,7 +291,7 @@ ARM_OPTION_SOURCES: dict[str, Source] = {
     'delta': paper('§4.4 Setup', 'InfoBatch with [ ] and a full-data tail in the last 12.5% of epochs',
                    f'δ = 1 − 0.125 = {INFOBATCH_DELTA}; in fine-tuning §4.2\'s "Outer pruning operates in epochs 2–90 and '
                    'stops in epochs 91–103" is the same δ at 103 epochs'),
-    'p': assumption('rw\'s keep probability: lost in the extracted text; 0.5 is capskip.policies.reweight\'s default'),
+    'p': assumption('rw\'s keep probability: lost in the extracted text; 0.5 is capskip.reweight\'s default'),
     'p_bar': assumption('rwp\'s target mean probability: lost in the extracted text; 0.5 is our default'),
     'p_min': assumption('rwp\'s probability floor: lost in the extracted text; 0.1 is our default'),
     'warmup_epochs': assumption('no warm-up outside Table 6\'s protocol: §4.1 states none for CAPSkip'),
