@@ -110,6 +110,17 @@ def test_sweep_and_report_show_the_lm_comparison(tmp_path, capsys):
     runs = {(a, s): read_json(run_dir(tmp_path, 'stdlib-sft', a, s, 1) / 'final.json') for a in ('dense', 'capskip') for s in (1, 2)}
     want = sum(runs['capskip', s]['test_loss'] - runs['dense', s]['test_loss'] for s in (1, 2)) / 2
     assert f'{want:+.4f}' in text, (want, text)
+    assert report_main([str(tmp_path), '--no-figures', '--metric', 'ppl', '--out', str(tmp_path / 'ppl')]) == 0
+    lm = (tmp_path / 'ppl' / 'report.md').read_text().split('### Causal LM')[1].split('###')[0]
+    assert '(test ppl)' in lm and 'ratio arm / dense' in lm and 'below 1' in lm and 'test loss diff' not in lm, lm
+    ratio = math.exp(sum(math.log(math.exp(runs['capskip', s]['test_loss'] - runs['dense', s]['test_loss'])) for s in (1, 2)) / 2)
+    cell = next(l for l in lm.splitlines() if l.startswith('| capskip |')).split('|')[4].strip()
+    assert abs(float(cell.split()[0]) - ratio) < 1e-3, (ratio, cell)   # the geometric mean of the per-seed ppl ratios
+    assert cell.split(']')[1].split()[0] in ('better', 'worse', 'unresolved'), cell   # lower is better: _lower_is_better
+    capsys.readouterr()
+    assert report_main([str(tmp_path), '--metric', 'bleu']) == 2             # a bad value: one line naming the choices
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'test_acc, val_acc, loss, ppl, acc' in err and 'Traceback' not in err, err
 
 
 def test_an_arm_that_cannot_train_sequence_rows_is_refused_in_one_line(tmp_path, capsys):
@@ -134,3 +145,36 @@ def test_a_stopped_lm_run_resumes_to_the_uninterrupted_one(tmp_path):
     a, b = (load_checkpoint(run_dir(tmp_path / name, 'stdlib-sft', 'capskip', 3, 2) / 'checkpoint.pt')['model']
             for name in ('whole', 'cut'))
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_evaluate_tokens_and_evaluate_share_one_loop_and_restore_training():
+    "`build.eval_batches` serves both: token loss/ppl/acc equal a float64 recount over all batches, the mode comes back."
+    from capskip.runs.build import eval_batches, evaluate
+    from capskip.runs.lm import evaluate_tokens
+    from capskip.runs.models import tiny_gpt
+    from capskip.runs.text import TokenRows
+    torch.manual_seed(0)
+    model, cpu = tiny_gpt(num_classes=16, dim=8, depth=1, heads=2, max_len=6, dtype='float64'), torch.device('cpu')
+    ids = torch.randint(0, 16, (7, 6))
+    labels = torch.cat([ids[:, 1:], torch.full((7, 1), -100)], 1)
+    labels[2, 3:] = -100                                              # padding inside a row
+    data = TokenRows(ids, labels)
+    model.train()
+    got = evaluate_tokens(model, data, 3, cpu)                        # 3 batches: 3 + 3 + 1 rows
+    assert model.training
+    with torch.no_grad(): z = model(ids)
+    mask = labels != -100
+    loss = float(F.cross_entropy(z[mask], labels[mask], reduction='mean'))
+    acc = float((z.argmax(-1)[mask] == labels[mask]).double().mean())
+    assert abs(got['loss'] - loss) < 1e-12 and abs(got['ppl'] - math.exp(loss)) < 1e-9 and got['acc'] == pytest.approx(acc, abs=1e-15)
+    model.eval()
+    assert len(list(eval_batches(model, data, 3, cpu))) == 3 and not model.training   # eval mode kept as it was
+    model.train()
+    import contextlib
+    with contextlib.closing(eval_batches(model, data, 3, cpu)) as batches:
+        logits, y = next(batches)
+        assert not model.training and not logits.requires_grad and logits.shape == (3, 6, 16) and y.shape == (3, 6)
+    assert model.training                                             # an early exit restores the training mode
+    flat = TokenRows(ids, ids[:, 0])                                  # one label per row: build.evaluate's top-1 path
+    assert evaluate(torch.nn.Sequential(torch.nn.Embedding(16, 16), torch.nn.Flatten(1), torch.nn.Linear(96, 16)),
+                    flat, 3, cpu) is not None

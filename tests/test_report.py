@@ -349,3 +349,23 @@ def test_val_acc_report_names_runs_without_a_validation_split(tmp_path):
                   config_extra={'data_kw': {'img_size': 224, 'val_fraction': 0.0}})
     report = build_report(root, metric='val_acc')
     assert any(w == 'ft' and 'without a validation split' in p for w, p in report.notes.items)
+
+
+def test_lm_table_pairs_the_chosen_metric_and_its_direction():
+    "`--metric loss|ppl|acc`: the LM table shows that metric alone; lower loss/ppl and higher accuracy are 'better'."
+    from pathlib import Path
+    from capskip.analysis.results import Notes, ReportData, Run
+    from capskip.analysis.tables import sequence_table
+    data = ReportData(('', 'lm'), {}, 'test_acc', 100.0, Notes())
+    for arm, shift in (('dense', 0.0), ('capskip', -0.01)):              # capskip: lower loss, higher token accuracy
+        for s, loss in ((1, 3.0), (2, 3.1), (3, 2.9)):
+            final = {'test_loss': loss + shift * (4 + s), 'test_acc': 0.3 - shift * (4 + s), 'train_time_s': 10.0 + s, 'kept_fraction': 1.0}
+            data.cells.setdefault((arm, 3), {})[s] = Run(path=Path('.'), recipe='lm', arm=arm, seed=s, epochs=3, variant='',
+                                                         config={}, final=final)
+    verdict = lambda paired: sequence_table(data, paired=paired).rows[0][3 if paired != 'acc' else 4].split(']')[1].split()[0]
+    assert [verdict(m) for m in ('loss', 'ppl', 'acc')] == ['better', 'better', 'better']
+    ppl = sequence_table(data, paired='ppl').rows[0][3]
+    assert float(ppl.split()[0]) < 1, ppl                                # a ratio: below 1 is better
+    for run in data.cells['capskip', 3].values():                         # the control: flip capskip to worse
+        run.final = {**run.final, 'test_loss': run.final['test_loss'] + 0.2, 'test_acc': run.final['test_acc'] - 0.2}
+    assert [verdict(m) for m in ('loss', 'ppl', 'acc')] == ['worse', 'worse', 'worse']

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 from .figures import accuracy_time_figure, epoch_curves_figure, kept_budget_figure, step_phase_figure
 from .pairs import Bar, pairing_table
 from .results import Notes, Table, arm_setting_notes, diverged_table, index_runs, load_runs
-from .tables import (bench_table, composition_table, controls_table, equal_epoch_table,
+from .tables import (LM_METRICS, bench_table, composition_table, controls_table, equal_epoch_table,
                                      kept_vs_budget_table, runs_table, sequence_table, time_matched_table, tta_table)
 from ..runs.runio import atomic_write_bytes
 
@@ -35,6 +35,7 @@ class Report:
     bench_rows: list | None = None
     metric: str = 'test_acc'
     reference: str = 'dense'
+    lm_metric: str | None = None                  # the causal-LM table's paired metric (None: loss, ppl and acc)
 
 def no_validation_note(runs: list, notes: Notes) -> None:
     "A note per recipe whose complete runs trained without a validation split (no val_acc, no model selection)."
@@ -47,7 +48,10 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
                  baseline: str = 'infobatch', targets: list | None = None, tolerance: float = 0.1,
                  bench_rows: list | None = None, pairs: list | None = None, bar: Bar | None = None) -> Report:
     "Read `run_dir` and build every table that its runs support (plus the requested cross-recipe/folder `pairs`, judged by `bar`)."
-    if metric not in ('test_acc', 'val_acc'): raise ValueError(f"metric must be 'test_acc' or 'val_acc', got {metric!r}")
+    if metric not in ('test_acc', 'val_acc', *LM_METRICS):
+        raise ValueError(f"--metric {metric!r} is not one of test_acc, val_acc, {', '.join(LM_METRICS)}: an accuracy, or the "
+                         'test metric the causal-LM table pairs')
+    metric, lm_metric = ('test_acc', metric) if metric in LM_METRICS else (metric, None)   # LM: the other tables use test_acc
     if not 0 < tolerance < math.inf: raise ValueError(f'--match-tolerance must be a finite number > 0, got {tolerance}')
     for t in targets or []:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 100:     # nan fails the comparison
@@ -59,14 +63,14 @@ def build_report(run_dir: str | Path, metric: str = 'test_acc', reference: str =
     groups = index_runs(runs, metric, notes)
     sections = {}
     for group, data in groups.items():
-        built = [runs_table(data), equal_epoch_table(data, reference), sequence_table(data, reference),
+        built = [runs_table(data), equal_epoch_table(data, reference), sequence_table(data, reference, lm_metric),
                  time_matched_table(data, reference, tolerance),
                  controls_table(data, reference, primary), tta_table(data, reference, targets), composition_table(data, baseline, bar)]
         sections[group] = [t for t in built if t is not None]
     global_tables = [t for t in [diverged_table(runs), pairing_table(runs, pairs or [], metric, notes, bar),
                                  kept_vs_budget_table(runs)] if t is not None]
     if bench_rows is not None: global_tables.append(bench_table(bench_rows))
-    return Report(Path(run_dir), runs, groups, sections, global_tables, notes, bench_rows, metric, reference)
+    return Report(Path(run_dir), runs, groups, sections, global_tables, notes, bench_rows, metric, reference, lm_metric)
 
 # %% ../../nbs/07_report.ipynb #a73f9711
 def _save_figure(fig, path: Path) -> Path:
@@ -108,7 +112,8 @@ def report_markdown(report: Report, figure_files: dict | None = None) -> str:
     lines = [f'# capskip report: `{report.run_dir}`', '',
              f'{len(report.runs)} run folders: {n_done} complete, {n_div} diverged (see "Diverged runs"), '
              f'{len(report.runs) - n_done - n_div} partial. '
-             f'Metric: final `{report.metric}` (%). **{len(report.notes.items)} entries under "Missing / partial runs"** (at the end).', '',
+             f'Metric: final `{report.metric}` (%)' + (f'; the causal-LM table pairs `{report.lm_metric}`' if report.lm_metric else '') + '. '
+             f'**{len(report.notes.items)} entries under "Missing / partial runs"** (at the end).', '',
              'Runs are paired by seed. Differences: mean and 95% Student-t interval over seed pairs (pp). Time and '
              'time-to-accuracy ratios: geometric mean of per-seed ratios, 95% t-interval in log space. A difference is '
              '"better"/"worse" ("faster"/"slower") only if its interval excludes 0 (1); otherwise "unresolved" — '

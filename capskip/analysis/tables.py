@@ -15,9 +15,9 @@ from .pairs import Bar
 from .stats import dense_margin, format_comparison, tta_ratio
 
 # %% auto #0
-__all__ = ['BENCH_PHASE_FIELDS', 'BENCH_FIELDS', 'runs_table', 'equal_epoch_table', 'sequence_table', 'time_matched_table',
-           'controls_table', 'default_target', 'tta_table', 'composition_table', 'kept_vs_budget_table',
-           'check_bench_rows', 'load_bench_rows', 'bench_table']
+__all__ = ['LM_METRICS', 'BENCH_PHASE_FIELDS', 'BENCH_FIELDS', 'runs_table', 'equal_epoch_table', 'sequence_table',
+           'time_matched_table', 'controls_table', 'default_target', 'tta_table', 'composition_table',
+           'kept_vs_budget_table', 'check_bench_rows', 'load_bench_rows', 'bench_table']
 
 # %% ../../nbs/07b_tables.ipynb #2552d256
 def _short(name: str) -> str:
@@ -80,16 +80,31 @@ def _lower_is_better(c, digits: int = 4) -> str:
     verdict = 'better' if c.hi < zero else 'worse' if c.lo > zero else 'unresolved'
     return f'{text} {verdict}' + (f' ({c.caveat})' if c.caveat else '')
 
-def sequence_table(data: ReportData, reference: str = 'dense') -> Table | None:
-    "Causal-LM runs vs `reference` at equal epochs: loss difference and perplexity ratio (lower is better), time ratio, token-accuracy difference, rows bwd; None without LM runs."
+LM_METRICS = {'loss': 'lower', 'ppl': 'lower', 'acc': 'higher'}    # the LM table's paired metric: which way is better
+
+def _lm_caption(split: str, reference: str, paired: str | None) -> str:
+    if paired == 'loss': return (f'Paired by seed. {split} loss: mean cross-entropy per labelled token (nats); a difference arm − {reference}, '
+                                 f'mean and 95% t-interval. Lower is better: "better" only if the interval lies below 0.')
+    if paired == 'ppl': return (f'Paired by seed. {split} perplexity = exp(loss); a ratio arm / {reference}, geometric mean of per-seed ratios, '
+                                f'95% t-interval in log space. Lower is better: "better" only if the interval lies below 1.')
+    if paired == 'acc': return (f'Paired by seed. {split} token accuracy; a difference arm − {reference} in pp, mean and 95% t-interval. '
+                                f'Higher is better: "better" only if the interval lies above 0.')
+    return (f'Paired by seed. {split} loss: mean cross-entropy per labelled token (nats); diff = arm − {reference}, mean '
+            f'and 95% t-interval; ppl = exp(loss), ratio as a geometric mean, t-interval in log space. Lower is better: '
+            f'"better" only if the interval lies below 0 (1). Token accuracy difference in pp.')
+
+def sequence_table(data: ReportData, reference: str = 'dense', paired: str | None = None) -> Table | None:
+    "Causal-LM runs vs `reference` at equal epochs: loss difference and perplexity ratio (lower is better), time ratio, token-accuracy difference, rows bwd (`paired` in `LM_METRICS`: that one metric only); None without LM runs."
+    if paired is not None and paired not in LM_METRICS:
+        raise ValueError(f"the LM table's paired metric must be one of {', '.join(LM_METRICS)}, got {paired!r}")
     split = _short(data.metric)
     if reference not in data.arms(): return None
-    table = Table('lm_equal_epochs', f'Causal LM, equal epochs: each arm vs {reference}',
-                  f'Paired by seed. {split} loss: mean cross-entropy per labelled token (nats); diff = arm − {reference}, mean '
-                  f'and 95% t-interval; ppl = exp(loss), ratio as a geometric mean, t-interval in log space. Lower is better: '
-                  f'"better" only if the interval lies below 0 (1). Token accuracy difference in pp.',
-                  ['arm', 'epochs', 'n', f'{split} loss diff [95% CI]', f'{split} ppl ratio [95% CI]',
-                   f'time ratio vs {reference} [95% CI]', f'{split} token acc diff (pp) [95% CI]', 'rows bwd (%)'])
+    heads = {'loss': f'{split} loss diff [95% CI]', 'ppl': f'{split} ppl ratio [95% CI]', 'acc': f'{split} token acc diff (pp) [95% CI]'}
+    shown = list(LM_METRICS) if paired is None else [paired]
+    title = f'Causal LM, equal epochs: each arm vs {reference}' + (f' ({split} {paired})' if paired else '')
+    table = Table('lm_equal_epochs', title, _lm_caption(split, reference, paired),
+                  ['arm', 'epochs', 'n', *(heads[k] for k in shown if k != 'acc'), f'time ratio vs {reference} [95% CI]',
+                   *(heads[k] for k in shown if k == 'acc'), 'rows bwd (%)'])
     def values(arm, e, seeds, key):
         return {s: float(v) for s in seeds if (v := (data.runs(arm, e)[s].final or {}).get(key)) is not None}
     for arm in data.arms():
@@ -105,13 +120,15 @@ def sequence_table(data: ReportData, reference: str = 'dense') -> Table | None:
             loss_c = compare('difference', {s: loss_a[s] for s in common}, {s: loss_r[s] for s in common}, data.notes, f'{where} ({split}_loss)')
             ppl_c = compare('ratio', ppl(loss_a), ppl(loss_r), data.notes, f'{where} ({split}_ppl)')
             bwd = mean_present(rows_bwd_percent(data.runs(arm, e)[s]) for s in seeds)
-            table.rows.append([arm, e, len(common), _lower_is_better(loss_c, 4), _lower_is_better(ppl_c, 3),
-                               format_comparison(time_c), format_comparison(acc_c), format_value(bwd, '.1f')])
+            cell = {'loss': _lower_is_better(loss_c, 4), 'ppl': _lower_is_better(ppl_c, 3), 'acc': format_comparison(acc_c)}
+            table.rows.append([arm, e, len(common), *(cell[k] for k in shown if k != 'acc'), format_comparison(time_c),
+                               *(cell[k] for k in shown if k == 'acc'), format_value(bwd, '.1f')])
             table.records.append({'arm': arm, 'epochs': e, 'reference': reference, 'n': len(common),
                                   **comparison_fields('loss_diff', loss_c), **comparison_fields('ppl_ratio', ppl_c),
                                   **comparison_fields('time_ratio', time_c), **comparison_fields('acc_diff_pp', acc_c),
                                   'rows_bwd_pct': bwd})
     return table if table.rows else None
+
 
 # %% ../../nbs/07b_tables.ipynb #782dfdf3
 def _match_tier(ref_runs: dict, arm_runs: dict, arm: str, e: int, e_ref: int) -> int:

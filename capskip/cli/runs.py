@@ -230,7 +230,9 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument('run_dir', help='the --out folder of capskip train/sweep (holds <recipe>/<arm>/seed<S>/ep<E>/)')
     p.add_argument('--out', help='where to write report.md, CSVs and figures (default: RUN_DIR/report)')
     p.add_argument('--bench-json', help='per-phase step times written by `capskip bench step --json PATH`')
-    p.add_argument('--metric', default='test_acc', choices=['test_acc', 'val_acc'], help='final accuracy to compare (default test_acc)')
+    p.add_argument('--metric', default='test_acc', metavar='{test_acc,val_acc,loss,ppl,acc}',   # checked by build_report: one line
+                   help='final accuracy to compare (test_acc, val_acc); or the test metric the causal-LM table pairs alone: '
+                        'loss (a difference), ppl (a ratio; both lower is better) or acc (a difference) (default test_acc)')
     p.add_argument('--reference', default='dense', help='the arm every other arm is compared with (default dense)')
     p.add_argument('--primary', default='capskip', help='the arm the controls are contrasted with (default capskip)')
     p.add_argument('--baseline', default='infobatch', help='the arm composition arms are compared with (default infobatch)')

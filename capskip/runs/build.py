@@ -21,7 +21,8 @@ from .text import TokenRows
 
 # %% auto #0
 __all__ = ['SEQUENCE_DATA', 'SEQUENCE_ARMS', 'resolve_device', 'sequence_splits', 'build_splits', 'check_pretrained',
-           'build_model', 'policy_kwargs', 'build_optimizer', 'build_policy', 'autocast_context', 'evaluate']
+           'build_model', 'policy_kwargs', 'build_optimizer', 'build_policy', 'autocast_context', 'eval_batches',
+           'evaluate']
 
 # %% ../../nbs/05g_build.ipynb #a941ba24
 def resolve_device(name: str = 'auto') -> torch.device:
@@ -124,21 +125,26 @@ def autocast_context(device: torch.device, amp: str):
     if amp == 'bf16': return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
+def eval_batches(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, amp: str = 'none',
+                 num_workers: int = 0):
+    "Yield `(logits, y)` on `device` for each batch of `dataset` in order, `model` in eval mode without gradients; its training mode is restored at the end (use inside `contextlib.closing` to restore it on an early exit)."
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y, _ in make_loader(dataset, list(torch.arange(len(dataset)).split(batch_size)), num_workers=num_workers):
+            with torch.no_grad(), autocast_context(device, amp):
+                logits = model(x.to(device, non_blocking=True))
+            yield logits, y.to(device)
+    finally:
+        model.train(was_training)
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batch_size: int, device: torch.device, amp: str = 'none',
              num_workers: int = 0) -> float | None:
     "Top-1 accuracy of `model` on `dataset` (rows `(x, y, idx)`); None for an empty split (e.g. no validation rows)."
     n = len(dataset)
     if n == 0: return None
-    batches = list(torch.arange(n).split(batch_size))
-    was_training = model.training
-    model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
-    try:
-        for x, y, _ in make_loader(dataset, batches, num_workers=num_workers):
-            with autocast_context(device, amp):
-                logits = model(x.to(device, non_blocking=True))
-            correct += (logits.argmax(1) == y.to(device)).sum()
-    finally:
-        model.train(was_training)
+    with contextlib.closing(eval_batches(model, dataset, batch_size, device, amp, num_workers)) as batches:
+        for logits, y in batches: correct += (logits.argmax(1) == y).sum()
     return correct.item() / n

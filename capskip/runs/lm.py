@@ -5,15 +5,15 @@
 # %% ../../nbs/05l_lm.ipynb #5395ce37
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..policies.core import IGNORE_INDEX, DeviceCounters, StepStats, at_least_float32, epoch_counters, record
-from .build import SEQUENCE_ARMS, autocast_context, evaluate
-from .data import make_loader
+from ..steps import IGNORE_INDEX, DeviceCounters, StepStats, at_least_float32, epoch_counters, record
+from .build import SEQUENCE_ARMS, eval_batches, evaluate
 from .recipes import TrainConfig
 from ..sequence import token_correct
 
@@ -109,20 +109,14 @@ def evaluate_tokens(model: torch.nn.Module, dataset, batch_size: int, device: to
     "Mean cross-entropy per labelled token (`loss`), `ppl` = exp(loss) and token accuracy (`acc`) of a causal LM on `dataset`; None for a split without labelled tokens."
     n = len(dataset)
     if n == 0: return None
-    was_training = model.training
-    model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.long, device=device); correct = torch.zeros_like(tokens)
-    try:
-        for x, y, _ in make_loader(dataset, list(torch.arange(n).split(batch_size)), num_workers=num_workers):
-            y = y.to(device)
-            with autocast_context(device, amp):
-                z = at_least_float32(model(x.to(device, non_blocking=True)))
+    with contextlib.closing(eval_batches(model, dataset, batch_size, device, amp, num_workers)) as batches:
+        for logits, y in batches:                                 # build.evaluate's loop: eval mode, loader, restore
+            z = at_least_float32(logits)
             loss_sum += F.cross_entropy(z.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction='sum').double()
             n_tok, n_ok = token_correct(z, y, IGNORE_INDEX)
             tokens += n_tok.sum(); correct += n_ok.sum()
-    finally:
-        model.train(was_training)
     if int(tokens) == 0: return None
     loss = float(loss_sum) / int(tokens)
     return {'loss': loss, 'ppl': math.exp(loss), 'acc': int(correct) / int(tokens)}
