@@ -164,3 +164,24 @@ def test_bad_input_is_one_clear_line(call, message):
     with pytest.raises((ValueError, TypeError)) as info:
         call(z, y, h)
     assert message in str(info.value) and '\n' not in str(info.value)
+
+
+def test_block_pass_chunk_width_is_capped_and_exact(monkeypatch):
+    "The block pass's own narrower chunk (`_block_chunk`): 1024 columns at GPT-2 width and B=8, capped by `chunk`, and exact when it bites."
+    import capskip.sequence as seq
+    assert seq._block_chunk(8, 768, 8192) == 1024 and seq._block_chunk(32, 769, 8192) == 256
+    assert seq._block_chunk(8, 768, 100) == 100 and seq._block_chunk(10 ** 6, 769, 8192) == 64
+    z, y, h = lm_batch(5, 3, 150, 4, seed=7)                  # V = 150: not a multiple of the chunk
+    G = row_grads_reference(z, y, h, True)
+    calls = []
+    orig = seq.residual_chunks
+    monkeypatch.setattr(seq, 'residual_chunks', lambda *a: calls.append(a[-1]) or orig(*a))
+    monkeypatch.setattr(seq, '_BLOCK_ELEMENTS', 5 * 5 * 64)   # B·d̃ = 25 → 64 columns: three chunks, the last of 22
+    K, grad = block_gram(z, y, h, True, return_grad=True)
+    assert calls == [64]                                        # the narrower chunk was used, not VOCAB_CHUNK
+    e_max, e_rel = errors(K, G)
+    assert e_max < 1e-12 and e_rel < 1e-12, (e_max, e_rel)
+    assert (grad - G.sum(0)).abs().max() <= 1e-14 * max(1.0, float(G.sum(0).abs().max()))
+    K32 = block_gram(z.float(), y, h.float(), True)             # fp32 control: close but not float64-exact
+    e32 = errors(K32, G)[1]
+    assert 0 < e32 < 1e-5, e32
