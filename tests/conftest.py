@@ -31,6 +31,12 @@ def pytest_terminal_summary(terminalreporter, config):
     "How each compared notebook's numbers come back on another CPU (`test_notebooks_rerun.summary`), after a run of those tests."
     import sys
     module = sys.modules.get('test_notebooks_rerun') or sys.modules.get('tests.test_notebooks_rerun')
+    seconds = getattr(module, 'SECONDS', {})
+    if seconds:
+        slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:8]
+        terminalreporter.section('notebook kernels: the slowest (wall-clock, two kernels beside the other tests)')
+        terminalreporter.write_line(f'{len(seconds)} notebooks, {sum(seconds.values()) / 60:.1f} kernel-minutes in all; '
+                                    + ', '.join(f'{rel} {s:.0f} s' for rel, s in slowest))
     lines = sorted(getattr(module, 'SUMMARIES', {}).values())
     if not lines: return
     shown = lines if config.option.verbose > 0 else [line for line in lines if 'within' in line or 'varies' in line or 'UNDECLARED' in line]

@@ -155,11 +155,15 @@ COMPARED = output_notebooks()
 
 _RUNS: dict = {}          # notebook -> Future of its executed notebook (or the exception it raised)
 _POOL: list = []
+SECONDS: dict[str, float] = {}   # notebook -> wall-clock seconds of its kernel run (kernel start included), for the summary
 
 
 def _run(rel: str, env: dict):
+    import time
+    start = time.perf_counter()
     try: return json.loads(json.dumps(execute(rel, env)))
     except Exception as err: return err
+    finally: SECONDS[rel] = time.perf_counter() - start
 
 
 def start_reruns(rels: list[str]) -> None:
