@@ -12,7 +12,7 @@ import transformers                      # the hf extra (in dev): a missing pack
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import capskip
-from capskip.engine.check import model_grads
+from capskip.engine.check import grad_errors as errors, model_grads   # the zero-gradient-safe pair
 from capskip.policies import create_policy
 from capskip.skip import CAPSkip, SkipOptions, skip_options
 from capskip.steps import shifted_labels
@@ -84,13 +84,6 @@ def kept_grads(model, batch, keep, weights=None):
     w = keep.double() * (1.0 if weights is None else weights.double())
     ((tok.sum(1) * w).sum() / (y != -100).sum()).backward()
     return model_grads(ref)
-
-
-def errors(got, ref):
-    "(max |error| / max |reference gradient|, global relative error): safe where gradients are zero."
-    diff = torch.cat([(got[n] - r).flatten().double() for n, r in ref.items()])
-    allr = torch.cat([r.flatten().double() for r in ref.values()])
-    return float(diff.abs().max() / allr.abs().max()), float(diff.norm() / allr.norm())
 
 
 @pytest.mark.parametrize('mode', ['masked', 'reforward', 'reuse'])
