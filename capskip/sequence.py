@@ -18,9 +18,9 @@ from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sort
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs', 'residual_chunks',
-           'token_gram', 'block_gram', 'row_grads_reference', 'gram_costs', 'pick_method', 'sequence_gram',
-           'select_from_gram', 'select_blocks_reference', 'token_correct', 'candidate_rule', 'sequence_candidates',
-           'select_sequences', 'Curve', 'distortion_curves']
+           'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method',
+           'sequence_gram', 'select_from_gram', 'select_blocks_reference', 'token_correct', 'candidate_rule',
+           'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
@@ -121,8 +121,9 @@ def _block_chunk(B: int, dt: int, chunk: int) -> int:
     return min(chunk, max(64, 1 << max(0, (_BLOCK_ELEMENTS // (B * dt)).bit_length() - 1)))
 
 def block_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, ignore_index: int = IGNORE_INDEX,
-               denominator=None, chunk: int = VOCAB_CHUNK, return_grad: bool = False, *, check_values: bool | None = None):
-    "(b) K from per-row blocks G_i = H̃_iᵀR_i/N, one vocabulary chunk at a time; cost B·L·V·d̃ + B²·V·d̃; float64 [B, B] (and Σ_i G_i)."
+               denominator=None, chunk: int = VOCAB_CHUNK, return_grad: bool = False, *, check_values: bool | None = None,
+               grad_weights: Tensor | None = None):
+    "(b) K from per-row blocks G_i = H̃_iᵀR_i/N, one vocabulary chunk at a time; cost B·L·V·d̃ + B²·V·d̃; float64 [B, B] (and Σ_i w_i G_i, w = `grad_weights` or 1)."
     check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
     B, L, V = logits.shape
     z, yc, lse, off, h, scale, dt = _prepare(logits, labels, features, bias, ignore_index, denominator)
@@ -130,13 +131,14 @@ def block_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = Tr
     K = torch.zeros(B, B, dtype=acc, device=z.device)
     hb = h.view(B, L, -1)
     grad = torch.empty(V, h.shape[1], dtype=dt, device=z.device) if return_grad else None
+    gw = None if grad_weights is None else grad_weights.detach().to(z.device, dt)
     for v0, R in residual_chunks(z, yc, lse, off, dt, _block_chunk(B, h.shape[1], chunk)):
         G = torch.bmm(R.view(B, L, -1).transpose(1, 2), hb)     # [B, V_c, d̃]: this chunk of every row's block
         Gf = G.reshape(B, -1)
         K += (Gf @ Gf.T).to(acc)
-        if return_grad: grad[v0:v0 + R.shape[1]] = G.sum(0)
+        if return_grad: grad[v0:v0 + R.shape[1]] = G.sum(0) if gw is None else (gw @ Gf).view(G.shape[1:])
     K = K * (scale * scale).to(acc)
-    return (K, grad * scale.to(dt)) if return_grad else K
+    return (K, grad.mul_(scale.to(dt))) if return_grad else K
 
 # %% ../nbs/00d_sequence.ipynb #c5d6224d
 def row_grads_reference(logits, labels, features, bias: bool = True, ignore_index: int = IGNORE_INDEX, denominator=None) -> Tensor:
@@ -153,6 +155,33 @@ def row_grads_reference(logits, labels, features, bias: bool = True, ignore_inde
                 r = torch.softmax(z[i, t], 0) - torch.nn.functional.one_hot(y[i, t], V).double()
                 G[i] += torch.outer(r, h[i, t])
     return G / N
+
+# %% ../nbs/00d_sequence.ipynb #b7d1f0a2
+def rows_grad(logits: Tensor, labels: Tensor, features: Tensor, rows: Tensor, weights: Tensor | None = None,
+              bias: bool = True, ignore_index: int = IGNORE_INDEX, denominator=None, chunk: int = VOCAB_CHUNK) -> Tensor:
+    "Σ_{i∈rows} w_i G_i ([V, d̃], the compute dtype) by a block pass over those rows only; 1/N counts the whole batch's labelled tokens."
+    if denominator is None: denominator = (labels != ignore_index).sum()
+    rows = rows.to(logits.device)
+    z, yc, lse, off, h, scale, dt = _prepare(logits.detach().index_select(0, rows), labels.index_select(0, rows),
+                                             features.detach().index_select(0, rows), bias, ignore_index, denominator)
+    L = logits.shape[1]
+    if weights is not None: h = h * weights.detach().to(z.device, dt).index_select(0, rows).repeat_interleave(L)[:, None]
+    out = torch.empty(logits.shape[2], h.shape[1], dtype=dt, device=z.device)
+    for v0, R in residual_chunks(z, yc, lse, off, dt, chunk): out[v0:v0 + R.shape[1]] = R.T @ h
+    return out * scale.to(dt)
+
+def kept_grad(logits: Tensor, labels: Tensor, features: Tensor, drop: Tensor, total: Tensor | None = None,
+              weights: Tensor | None = None, bias: bool = True, ignore_index: int = IGNORE_INDEX, denominator=None,
+              chunk: int = VOCAB_CHUNK) -> Tensor:
+    "Σ_{i∉drop} w_i G_i: `total` (Σ_i w_i G_i from `block_gram(return_grad=True, grad_weights=w)`) minus the dropped rows' sum, or the kept rows' sum when fewer are kept or `total` is None."
+    dropped = drop.nonzero().flatten()                   # the host read: how many rows each side has
+    kept = (~drop).nonzero().flatten()
+    if len(kept) == 0: return logits.new_zeros(logits.shape[2], features.shape[2] + bias, dtype=_compute_dtype(logits))
+    if total is None or len(kept) <= len(dropped):
+        return rows_grad(logits, labels, features, kept, weights, bias, ignore_index, denominator, chunk)
+    if len(dropped) == 0: return total
+    return total - rows_grad(logits, labels, features, dropped, weights, bias, ignore_index, denominator, chunk)
+
 
 # %% ../nbs/00d_sequence.ipynb #c1c31f4c
 def gram_costs(B: int, L: int, V: int, d: int, bias: bool = True) -> dict[str, int]:
@@ -260,12 +289,25 @@ def select_sequences(logits: Tensor,    # [B, L, V] logits, aligned with `labels
                      bias: bool = True, eps: float = SELECTOR_EPS,
                      method: str = 'auto',  # 'token', 'block' or 'auto' (`pick_method`)
                      ignore_index: int = IGNORE_INDEX, denominator=None, chunk: int = VOCAB_CHUNK,
-                     *, check_values: bool | None = None) -> Selection:
+                     *, check_values: bool | None = None,
+                     return_grad: bool = False,          # also return Σ_{i kept} a_i G_i, the head's gradient (`kept_grad`)
+                     grad_weights: Tensor | None = None  # the a_i of that sum (default 1): the loss's row weights
+                     ) -> Selection | tuple[Selection, Tensor]:
     "CAPSkip over sequences: drop the longest candidate prefix (by w‖G_i‖) whose summed row gradient is at most b‖G‖."
     check_sequence_inputs(logits, labels, features, weights, ignore_index, check_values)
     cand = sequence_candidates(logits, labels, candidates, ignore_index) if isinstance(candidates, str) else candidates
-    K = sequence_gram(logits, labels, features, bias, method, ignore_index, denominator, chunk, check_values=False)  # checked above
-    return select_from_gram(K, cand, budget, weights, eps)
+    if not return_grad:
+        K = sequence_gram(logits, labels, features, bias, method, ignore_index, denominator, chunk, check_values=False)  # checked above
+        return select_from_gram(K, cand, budget, weights, eps)
+    if method == 'auto': method = pick_method(*logits.shape, features.shape[-1], bias)
+    if method not in GRAM_METHODS: raise ValueError(f"method must be 'auto', 'token' or 'block', got {method!r}")
+    total = None
+    if method == 'block':                                # the block pass sums Σ_i a_i G_i as it streams
+        K, total = block_gram(logits, labels, features, bias, ignore_index, denominator, chunk, True, check_values=False,
+                              grad_weights=grad_weights)
+    else: K = token_gram(logits, labels, features, bias, ignore_index, denominator, chunk, check_values=False)
+    sel = select_from_gram(K, cand, budget, weights, eps)
+    return sel, kept_grad(logits, labels, features, sel.drop, total, grad_weights, bias, ignore_index, denominator, chunk)
 
 # %% ../nbs/00d_sequence.ipynb #ea77dbe8
 class Curve(NamedTuple):

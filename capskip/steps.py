@@ -5,6 +5,7 @@
 # %% ../nbs/01m_steps.ipynb #422c4f78
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ from .sequence import DEFAULT_CANDIDATES, check_sequence_inputs, select_sequence
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
            'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'shifted_labels', 'sequence_loss', 'check_step_inputs']
+           'device_generator', 'shifted_labels', 'sequence_loss', 'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -177,8 +178,8 @@ def shifted_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
                   bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
-                  candidates: str = DEFAULT_CANDIDATES) -> tuple[Tensor, StepStats]:
-    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics."
+                  candidates: str = DEFAULT_CANDIDATES, head_grad: bool = False) -> tuple:
+    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics; `head_grad`: also that loss's gradient for the head's [W | c] ([V, d̃], from the selector's block pass)."
     B, L, V = logits.shape
     if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be token ids [B, L] = [{B}, {L}] aligned with the logits [B, L, V] ({ignore_index} = '
@@ -198,7 +199,9 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     cand = sequence_candidates(z, y, candidates, ignore_index)
     if exclude_upweighted: cand = cand & (w <= 1)
     sel = select_sequences(z.detach(), y, features, budget, cand, w if weighted else None, bias,
-                           SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=False)
+                           SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=False,
+                           return_grad=head_grad, grad_weights=w)
+    sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)
     tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
     per_row = tok.sum(1)
@@ -206,7 +209,59 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     losses = per_row.detach()
     stats = StepStats((applied > 0).sum(), B, sel.distortion, losses.sum(), losses, applied, sel.drop,
                       ((n_ok == n_tok) & (n_tok > 0)).sum())
-    return loss, stats
+    return (loss, stats, g if temperature == 1 else g.div_(temperature)) if head_grad else (loss, stats)
+
+# %% ../nbs/01m_steps.ipynb #c4e2a7b2
+def _tied_embeddings(model: nn.Module, head: nn.Module, W: Tensor) -> list[nn.Embedding]:
+    "The embeddings that hold the head's weight (tied); any other holder, or an embedding whose backward is not a plain scatter-add, is refused."
+    tied = []
+    for name, m in model.named_modules():
+        if m is head or not any(p is W for p in m.parameters(recurse=False)): continue
+        if not isinstance(m, nn.Embedding) or m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+            raise ValueError(f'head_grad=True: module {name!r} ({type(m).__name__}) shares the head\'s weight in a way the step '
+                             'cannot add up (only a plain nn.Embedding: no max_norm, scale_grad_by_freq or sparse); pass head_grad=False')
+        tied.append(m)
+    return tied
+
+def sequence_step(engine: Engine, x, labels: Tensor, weights: Tensor | None = None, *, head_grad: bool = False,
+                  **loss_options) -> StepStats:
+    "Forward, `sequence_loss`, backward of the kept sequences; `head_grad`: the head's [W | c] gradient is the selector's, injected, and the backward skips it (dense/masked engines; `kept` an int)."
+    head = engine.head
+    params = [p for p in (getattr(head, 'weight', None), getattr(head, 'bias', None)) if isinstance(p, Tensor) and p.requires_grad]
+    lever = head_grad and bool(params) and getattr(head, 'weight', None) is not None and head.weight.requires_grad
+    if lever and (engine.mode not in ('dense', 'masked') or engine.wrapper is not None):
+        raise ValueError(f"head_grad=True needs a plain engine of mode 'dense' or 'masked' (got mode={engine.mode!r}"
+                         f"{', wrapped' if engine.wrapper is not None else ''}): the other modes compute the head's gradient "
+                         'in their own backward; pass head_grad=False')
+    if lever and not isinstance(head, nn.Linear): raise ValueError(f'head_grad=True needs an nn.Linear head, got {type(head).__name__}; pass head_grad=False')
+    kept_emb, handles = [], []
+    if lever:
+        for m in _tied_embeddings(engine.model, head, head.weight):
+            handles.append(m.register_forward_hook(lambda mod, inp, out: kept_emb.append((mod, inp[0], out))))
+    try: fwd = engine.forward(x)
+    finally:
+        for hd in handles: hd.remove()
+    loss_options.setdefault('bias', head.bias is not None)
+    out = sequence_loss(fwd.logits, fwd.features, labels, weights, head_grad=lever, **loss_options)
+    loss, stats = out[:2]
+    if not lever:
+        loss.backward()
+        return dataclasses.replace(stats, kept=int(stats.kept))
+    others = [p for p in engine.model.parameters() if p.requires_grad and all(p is not q for q in params)]
+    inputs = others + [o for _, _, o in kept_emb if o.requires_grad]
+    if inputs: torch.autograd.backward(loss, inputs=inputs)   # every gradient but the head's: its ∂W product is not run
+    g = out[2]
+    gW = g[:, :head.weight.shape[1]].to(head.weight.dtype)
+    for m, ids, o in kept_emb:                           # the tied embedding's part: F.embedding's backward, a scatter-add
+        if o.grad is None: continue
+        go = o.grad.reshape(-1, o.shape[-1]).to(gW.dtype)
+        flat = ids.reshape(-1)
+        if m.padding_idx is not None: go = go * (flat != m.padding_idx)[:, None].to(go.dtype)
+        gW = gW.index_add_(0, flat, go)                 # in place: g is this step's own buffer
+    grads = [gW] + ([g[:, -1].to(head.bias.dtype)] if head.bias is not None and head.bias.requires_grad else [])
+    inject_grad(params, grads).backward()                # accumulated by autograd into .grad (tied: one sum)
+    return dataclasses.replace(stats, kept=int(stats.kept))
+
 
 # %% ../nbs/01m_steps.ipynb #2885ea1b
 def check_step_inputs(x: Tensor, y: Tensor, weights: Tensor | None, denominator: float | None = None) -> int:

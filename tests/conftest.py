@@ -3,6 +3,12 @@ elsewhere; the notebooks that `tests/test_notebooks_rerun.py` executes start in 
 collected, so the kernels run beside the other tests."""
 import os
 
+# One thread per process, unless the caller chose: the notebook kernels (one thread each) share the cores with the tests,
+# and a test process with a second OpenMP thread then waits at every parallel op for a thread the kernels have
+# descheduled. Measured on the 2-core VM beside two busy processes: one EfficientFormerV2 gradient test took 29-107 s of
+# wall-clock with two threads and 9-16 s with one. Set before torch is imported; subprocesses the tests start inherit it.
+for _name in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_name, '1')
+
 from hypothesis import settings
 
 settings.register_profile('ci', derandomize=True, print_blob=True)
@@ -14,17 +20,45 @@ def _notebook_items(session) -> list:
     return [item for item in session.items if 'reruns' in getattr(item, 'fixturenames', ()) and hasattr(item, 'callspec')]
 
 
+def _site_items(session) -> list:
+    return [item for item in session.items if {'built', 'seen'} & set(getattr(item, 'fixturenames', ()))]
+
+
+# Test files whose tests start two processes at a time (data-parallel ranks, two sweeps sharing a grid).
+PROCESS_PAIRS = {'test_accelerate.py', 'test_bench_ddp.py', 'test_ddp.py', 'test_ddp_autograd.py', 'test_fsdp_refusal.py',
+                 'test_locks.py', 'test_reproduce.py'}
+
+
+def _order(item) -> int:
+    "0: one process (runs beside the two notebook kernels); 1: two processes; 2: waits for background work."
+    names = set(getattr(item, 'fixturenames', ()))
+    if 'reruns' in names or {'built', 'seen'} & names: return 2
+    return int(item.path.name in PROCESS_PAIRS or 'ddp_ranks' in names)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The one-process tests first, while the notebook kernels (one core each) run; then the tests that start two
+    processes, which keep both cores busy once the kernels are done; last, the tests that wait for background work (the
+    notebooks' results, the docs site), by then computed. Within each group, the collection order."""
+    items[:] = sorted(items, key=_order)      # a stable sort
+
+
 def pytest_collection_finish(session):
+    if session.config.option.collectonly: return
     items = _notebook_items(session)
-    if not items or session.config.option.collectonly: return
-    module = items[0].module
-    wanted = {item.callspec.params['rel'] for item in items}
-    module.start_reruns([rel for rel in module.EXECUTED if rel in wanted])
+    if items:
+        module = items[0].module
+        wanted = {item.callspec.params['rel'] for item in items}
+        module.start_reruns([rel for rel in module.EXECUTED if rel in wanted])
+    site = _site_items(session)
+    if site: site[0].module.start_site()
 
 
 def pytest_sessionfinish(session):
     items = _notebook_items(session)
     if items: items[0].module.stop_reruns()
+    site = _site_items(session)
+    if site: site[0].module.stop_site()
 
 
 def pytest_terminal_summary(terminalreporter, config):

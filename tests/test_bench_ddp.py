@@ -13,5 +13,6 @@ def test_two_processes_time_every_mode_against_ddp_dense():
     for r in rows:
         assert r['backward_ms'] > 0 and r['backward_local_ms'] > 0 and r['allreduce_ms'] > 0
         assert 0.0 <= r['overlap'] <= 1.0 and math.isfinite(r['step_ratio'])
+        assert 0.0 <= r['left_at_first_bucket'] <= 1.0          # measured by the comm hook (tests/test_ddp_autograd.py: its values)
     table = format_ddp_table(rows, bench)
-    assert '2 processes' in table and '| reuse | 0.5 |' in table
+    assert '2 processes' in table and '| reuse | 0.5 |' in table and 'gradient left at 1st bucket' in table

@@ -2,12 +2,10 @@
 last dim ([B, L, d] -> [B, L, V]). One step's gradients equal plain autograd of the kept sequences' loss with the
 same normalisation (1/N, N = labelled tokens of the batch) in masked, reforward and reuse (reuse traced, the
 backward run on the kept rows only); budget 0 is the dense step; a frozen lm_head keeps the others exact."""
-import copy
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import transformers                      # the hf extra (in dev): a missing package fails here, it is never skipped
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -15,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import capskip.engine.reuse as reuse
 from capskip import CAPSkip
 from capskip.engine.check import model_grads
+from capskip.testing import grad_errors as errors, sequence_grads   # the zero-gradient-safe metric, the float64 reference
 from capskip.engine.reuse import cached_traces
 
 transformers.logging.set_verbosity_error()
@@ -46,21 +45,9 @@ def aligned(labels):
 
 
 def reference(model, batch, applied):
-    "Plain autograd on a copy: (1/N) Σ_i applied_i Σ_t CE over labelled tokens, N = labelled tokens of the batch."
-    ref = copy.deepcopy(model)
-    ref.zero_grad(set_to_none=True)
-    y = aligned(batch['labels'])
-    z = ref(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
-    tok = F.cross_entropy(z.reshape(-1, VOCAB), y.reshape(-1), reduction='none').view(B, L)
-    ((tok.sum(1) * applied).sum() / (y != -100).sum()).backward()
-    return model_grads(ref)
-
-
-def errors(got, ref):
-    "(max |error| / max |reference gradient|, global relative error): safe where gradients are zero."
-    diff = torch.cat([(got[n] - r).flatten().double() for n, r in ref.items()])
-    allr = torch.cat([r.flatten().double() for r in ref.values()])
-    return float(diff.abs().max() / allr.abs().max()), float(diff.norm() / allr.norm())
+    "Plain autograd on a float64 copy: (1/N) Σ_i applied_i Σ_t CE over labelled tokens, N = labelled tokens of the batch."
+    inputs = {'input_ids': batch['input_ids'], 'attention_mask': batch['attention_mask']}
+    return sequence_grads(model, inputs, aligned(batch['labels']), applied)
 
 
 def backward_rows(monkeypatch) -> list:

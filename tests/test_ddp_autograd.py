@@ -38,6 +38,13 @@ WORKER = textwrap.dedent('''
         return ref
 
     res = {}
+    def graph_nodes(t):
+        "The type names of the autograd nodes behind `t`."
+        seen, stack = [], [t.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in seen: seen.append(fn); stack.extend(n for n, _ in fn.next_functions)
+        return [type(fn).__name__ for fn in seen]
     # 1) CAPSkip on the DDP-wrapped model, its gradients in several buckets (dynamo would split the trace at them)
     model = copy.deepcopy(base)
     skip = capskip.CAPSkip(DDP(model, bucket_cap_mb=0.005), budget=0.3, mode='reuse')
@@ -77,6 +84,36 @@ WORKER = textwrap.dedent('''
         skip(x); res['bypass'] = 'no error'
     except RuntimeError as err:
         res['bypass'] = str(err)
+    # 5) the staged node (its gradients handed over in stages) under DDP's options, at the second step (DDP rebuilds
+    #    its buckets after the first; static_graph's first step only counts the hooks)
+    for name, options in (('find_unused', dict(find_unused_parameters=True)), ('static_graph', dict(static_graph=True)),
+                          ('bucket_view', dict(gradient_as_bucket_view=True))):
+        model = copy.deepcopy(base)
+        ddp = DDP(model, bucket_cap_mb=0.005, **options)
+        skip = capskip.CAPSkip(ddp, budget=0.3, mode='reuse')
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=True)
+            logits = skip(x)
+            skip.loss(logits, y).backward()
+        res[name] = (grads(model), reference([(x, y, skip.last.applied)]), int(skip.last.kept),
+                     [type(t).__name__ for t in cached_traces(model)], graph_nodes(logits))
+
+    # 6) overlap: the share of the gradient still to be produced when DDP launches its first bucket
+    import capskip.engine.reuse as reuse_module
+    from capskip.bench.ddp import FirstBucket
+    stages, left = reuse_module.STAGES, {}
+    for case, mode, n in (('dense', 'dense', stages), ('reuse', 'reuse', stages), ('one stage', 'reuse', 1)):
+        reuse_module.STAGES = n                                   # 1: every gradient returned at once (the control)
+        ddp = DDP(copy.deepcopy(base), bucket_cap_mb=0.005)
+        first, skip = FirstBucket(ddp), capskip.CAPSkip(ddp, budget=0.3, mode=mode)
+        for _ in range(2):
+            logits = skip(x)
+            first.arm(logits)
+            skip.loss(logits, y).backward()
+            ddp.zero_grad(set_to_none=True)
+        left[case] = first.left
+    reuse_module.STAGES = stages
+    res['left'] = left
     torch.save(res, f'{out}/rank{r}.pt')
     dist.close()
 ''')
@@ -92,9 +129,9 @@ def relative(got: dict, ref: dict) -> float:
     return max(float((got[n] - r).norm()) / max(float(r.norm()), 1e-3 * top) for n, r in ref.items())
 
 
-@pytest.mark.parametrize('case', ('wrapped', 'holder', 'accumulated'))
+@pytest.mark.parametrize('case', ('wrapped', 'holder', 'accumulated', 'find_unused', 'static_graph', 'bucket_view'))
 def test_reuse_under_ddp_equals_the_ranks_average_of_autograd(ranks, case):
-    (g0, ref0, kept0, traces0), (g1, ref1, kept1, _) = ranks[0][case], ranks[1][case]
+    (g0, ref0, kept0, traces0), (g1, ref1, kept1, _) = ranks[0][case][:4], ranks[1][case][:4]
     for name in g0: assert torch.equal(g0[name], g1[name]), name           # identical on every rank
     assert relative(g0, ref0) <= 1e-5, relative(g0, ref0)
     if case != 'accumulated':
@@ -105,3 +142,14 @@ def test_reuse_under_ddp_equals_the_ranks_average_of_autograd(ranks, case):
 def test_a_forward_around_the_wrapper_is_refused(ranks):
     for rank in ranks:
         assert 'not inside DistributedDataParallel' in rank['bypass'] and 'CAPSkip(DDP(model))' in rank['bypass']
+
+
+def test_the_staged_backward_lets_the_first_bucket_leave_early(ranks):
+    """DDP launches its first bucket while most of reuse's gradient is still to be produced, as with plain autograd;
+    the same node in one stage (every gradient returned at once: the control) leaves nothing to overlap."""
+    for rank in ranks:
+        left = rank['left']
+        assert left['one stage'] == 0.0, left
+        assert left['reuse'] >= 0.5 and left['dense'] >= 0.5, left
+    for case in ('find_unused', 'static_graph', 'bucket_view'):           # the options above ran several stages
+        assert ranks[0][case][4].count('SkipStageBackward') >= 2, ranks[0][case][4]

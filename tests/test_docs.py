@@ -1,6 +1,6 @@
 """The docs site: `capskip docs` builds it offline from nbs/, and headless Chromium finds every page working.
 
-One session fixture builds the real site from nbs/ with stored outputs (`--no-execute`: the suite already runs every
+A background thread (started by `conftest.py` once the tests are collected) builds the real site from nbs/ with stored outputs (`--no-execute`: the suite already runs every
 notebook, in tests/test_notebooks_rerun.py) and loads every page in a local Chrome/Chromium (`find_chromium`); a small scratch
 project checks the default build (`capskip docs --check`: a notebook stored without outputs is executed — outputs,
 plots, skipped test flags — and one committed with outputs is rendered as stored) and the error path.
@@ -15,7 +15,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,16 +40,41 @@ def browser():
     return find_chromium()
 
 
-@pytest.fixture(scope='session')
-def built(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('docs')
+_SITE: dict = {}   # 'future': the background build and browser check, 'tmp': its folder
+
+
+def _build_and_check(tmp: Path) -> tuple:
+    "The real site built from nbs/ with stored outputs, and what Chromium saw on its pages (None: no check asked for)."
     report = build_site(ROOT, out=tmp / 'site', work=tmp / 'work', execute=False, progress=False)
-    return report
+    if os.environ.get(SKIP_BROWSER_ENV) == '1': return report, None
+    try: browser = find_chromium()
+    except FileNotFoundError: return report, None   # the `browser` fixture fails with what to do
+    return report, check_site(report.out, browser)
+
+
+def start_site() -> None:
+    """Build the site and load its pages in a background thread, once: `conftest.py` starts it as soon as the tests are
+    collected (the build's workers, Sphinx and Chromium are subprocesses), so the other tests go on meanwhile."""
+    if _SITE: return
+    _SITE['tmp'] = Path(tempfile.mkdtemp(prefix='capskip-docs-'))
+    _SITE['future'] = ThreadPoolExecutor(1, thread_name_prefix='docs').submit(_build_and_check, _SITE['tmp'])
+
+
+def stop_site() -> None:
+    "Remove the background build's folder (after the session)."
+    if _SITE and _SITE['future'].done(): shutil.rmtree(_SITE['tmp'], ignore_errors=True)
+
+
+@pytest.fixture(scope='session')
+def built():
+    start_site()
+    return _SITE['future'].result()[0]
 
 
 @pytest.fixture(scope='session')
 def seen(built, browser):
-    return check_site(built.out, browser)
+    start_site()
+    return _SITE['future'].result()[1]
 
 
 def test_every_notebook_has_a_page(built):

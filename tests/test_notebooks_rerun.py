@@ -24,7 +24,8 @@ more, so the README's test command runs it instead of `nbdev_test` (which stays 
 
 The notebooks are executed two at a time, each kernel with one thread (`OMP_NUM_THREADS=1`: two kernels with two threads
 each on a 2-core machine run several times slower than either alone), the tutorials (the slowest) first so that the
-two kernels finish together. They start as soon as pytest has collected the tests (`conftest.py`) and run beside the
+two kernels finish together. Each kernel is forked from a process that imported torch once (`kernel_fork.py`: about
+4 s of CPU saved per notebook; `CAPSKIP_FRESH_KERNELS=1` starts a fresh interpreter per notebook instead). They start as soon as pytest has collected the tests (`conftest.py`) and run beside the
 other tests, sharing the two cores with them: this file alone took 5 min 35 s (`pytest -q tests/test_notebooks_rerun.py`
 on an idle 2-core AMD EPYC VM, 2026-12-03); the whole suite's figures, with their machine, are in DEVELOPING.md.
 """
@@ -35,10 +36,13 @@ import math
 import os
 import platform
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+
+import kernel_fork
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / 'nbs'
@@ -132,11 +136,16 @@ def execute(rel: str, env: dict | None = None) -> dict:
     nb = nbformat.read(path, as_version=4)
     env = env or kernel_env()
     os.environ['PATH'] = env['PATH']          # jupyter_client looks the kernel's `python` up on this process's PATH
+    kernel = 'python3'
+    if _ZYGOTE and _ZYGOTE[0].poll() is None:   # a kernel forked with torch already imported (`kernel_fork.py`)
+        _, sock, folder = _ZYGOTE
+        os.environ['JUPYTER_PATH'] = os.pathsep.join(filter(None, [folder, os.environ.get('JUPYTER_PATH')]))
+        env, kernel = {**env, kernel_fork.SOCKET_ENV: sock}, kernel_fork.KERNEL_NAME
     with tempfile.TemporaryDirectory() as tmp:
         probe, record = Path(tmp) / 'probe.py', Path(tmp) / 'trained.txt'
         probe.write_text(PRECISION_PROBE)
         start = f"__import__('runpy').run_path({str(probe)!r}, init_globals={{'RECORD': {str(record)!r}}})"
-        client = NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}},
+        client = NotebookClient(nb, timeout=600, kernel_name=kernel, resources={'metadata': {'path': str(path.parent)}},
                                 extra_arguments=[f'--IPKernelApp.exec_lines={start}'])
         client.execute(env=env)
         nb.metadata['trained'] = {str(i): sorted(d) for i, d in trained_cells(nb, str(record)).items()}
@@ -166,6 +175,9 @@ def _run(rel: str, env: dict):
     finally: SECONDS[rel] = time.perf_counter() - start
 
 
+_ZYGOTE: list = []     # (process, socket, kernel-spec folder) of the process the kernels are forked from, once started
+
+
 def start_reruns(rels: list[str]) -> None:
     """Start executing `rels` in the background, two kernels at a time, in the order given.
 
@@ -174,13 +186,19 @@ def start_reruns(rels: list[str]) -> None:
     sets later with `monkeypatch` never reaches a kernel."""
     if not _POOL: _POOL.append(ThreadPoolExecutor(2, thread_name_prefix='notebook'))
     env = kernel_env()
+    if not _ZYGOTE and os.environ.get('CAPSKIP_FRESH_KERNELS') != '1':   # =1: a fresh interpreter per notebook
+        started = kernel_fork.start_zygote(env)
+        if started: _ZYGOTE.extend(started)
     for rel in rels:
         if rel not in _RUNS: _RUNS[rel] = _POOL[0].submit(_run, rel, env)
 
 
 def stop_reruns() -> None:
-    "Drop the notebooks not started yet (the session is ending); those running finish."
+    "Drop the notebooks not started yet (the session is ending); those running finish. The zygote ends."
     if _POOL: _POOL[0].shutdown(wait=False, cancel_futures=True)
+    if _ZYGOTE:
+        _ZYGOTE[0].kill(); _ZYGOTE[0].wait()
+        shutil.rmtree(_ZYGOTE[2], ignore_errors=True)
 
 
 @pytest.fixture(scope='session')

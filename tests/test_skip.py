@@ -2,11 +2,9 @@
 an unknown keyword is one line naming the valid fields, `skip.options` is a frozen `SkipOptions` the policies replace
 per epoch, and `skip.step` on sequence rows (a causal LM) leaves plain autograd's gradient of the kept sequences'
 token loss (float64, every mode), which differs from the all-sequences gradient (the control)."""
-import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import transformers                      # the hf extra (in dev): a missing package fails here, it is never skipped
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -16,7 +14,7 @@ from capskip.engine.check import grad_errors as errors, model_grads   # the zero
 from capskip.policies import create_policy
 from capskip.skip import CAPSkip, SkipOptions, skip_options
 from capskip.steps import shifted_labels
-from capskip.testing import tiny_mlp
+from capskip.testing import sequence_grads, tiny_mlp
 
 transformers.logging.set_verbosity_error()
 B, L, VOCAB = 6, 8, 64
@@ -75,15 +73,10 @@ def hf_batch():
 
 
 def kept_grads(model, batch, keep, weights=None):
-    "Plain autograd on a copy: (1/N) Σ_i keep_i w_i Σ_t CE over labelled tokens (shifted labels), N = labelled tokens."
-    ref = copy.deepcopy(model)
-    ref.zero_grad(set_to_none=True)
-    y = shifted_labels(batch['labels'])
-    z = ref(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits
-    tok = F.cross_entropy(z.reshape(-1, VOCAB), y.reshape(-1), reduction='none').view(B, L)
+    "Plain autograd on a float64 copy: (1/N) Σ_i keep_i w_i Σ_t CE over labelled tokens (shifted labels), N = labelled tokens."
     w = keep.double() * (1.0 if weights is None else weights.double())
-    ((tok.sum(1) * w).sum() / (y != -100).sum()).backward()
-    return model_grads(ref)
+    inputs = {'input_ids': batch['input_ids'], 'attention_mask': batch['attention_mask']}
+    return sequence_grads(model, inputs, shifted_labels(batch['labels']), w)
 
 
 @pytest.mark.parametrize('mode', ['masked', 'reforward', 'reuse'])

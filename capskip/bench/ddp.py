@@ -17,13 +17,48 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..engine import Engine
 from ..runs.models import create_model
 
 # %% auto #0
-__all__ = ['DDPBench', 'measure_rank', 'summarize_ddp', 'format_ddp_table', 'run_ddp_bench']
+__all__ = ['FirstBucket', 'DDPBench', 'measure_rank', 'summarize_ddp', 'format_ddp_table', 'run_ddp_bench']
+
+# %% ../../nbs/08c_bench_ddp.ipynb #c0ffee21
+class FirstBucket:
+    "A DDP comm hook: `left` is the share of the gradient's elements not yet produced when the first bucket of an armed backward is launched."
+    def __init__(self, ddp: DistributedDataParallel):
+        self.params = [p for p in ddp.parameters() if p.requires_grad]
+        self.total, self.armed, self.left, self.produced = sum(p.numel() for p in self.params), False, None, 0
+        ddp.register_comm_hook(self, FirstBucket._hook)
+
+    def arm(self, output: torch.Tensor) -> None:
+        "Before the backward of `output`: a post-hook on every autograd node that hands a parameter its gradient."
+        self.armed, self.left, self.produced = True, None, 0
+        ours, producers, seen, stack = {id(p) for p in self.params}, {}, set(), [output.grad_fn]
+        found = []
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen: continue
+            seen.add(fn)
+            given = [v for v in (getattr(n, 'variable', None) for n, _ in fn.next_functions if n is not None)
+                     if v is not None and id(v) in ours]
+            stack.extend(n for n, _ in fn.next_functions if n is not None and not hasattr(n, 'variable'))
+            if given:
+                found.append((fn, given))
+                for v in given: producers[id(v)] = producers.get(id(v), 0) + 1
+        def done(given):
+            for v in given:
+                producers[id(v)] -= 1
+                if producers[id(v)] == 0: self.produced += v.numel()
+        for fn, given in found: fn.register_hook(lambda grad_in, grad_out, given=given: done(given))
+
+    def _hook(self, bucket):
+        if self.armed and self.left is None:
+            self.left, self.armed = 1 - self.produced / max(1, self.total), False
+        return allreduce_hook(None, bucket)
 
 # %% ../../nbs/08c_bench_ddp.ipynb #91acecb7
 @dataclass
@@ -61,21 +96,24 @@ def _allreduce_seconds(ddp: DistributedDataParallel, device: torch.device, repea
     run()
     return statistics.median(_timed(run, device) for _ in range(repeats))
 
-def _one_step(engine: Engine, ddp: DistributedDataParallel, x, y, weights, device, sync: bool) -> tuple[float, float]:
-    "(forward seconds, backward seconds) of one step; `sync=False`: under `no_sync()`."
+def _one_step(engine: Engine, ddp: DistributedDataParallel, x, y, weights, device, sync: bool,
+              first: FirstBucket | None = None) -> tuple[float, float, float | None]:
+    "(forward seconds, backward seconds, gradient left at the first bucket) of one step; `sync=False`: under `no_sync()`."
     tdist.barrier()
     holder = {}
     with ddp.no_sync() if not sync else contextlib.nullcontext():
         t_fwd = _timed(lambda: holder.__setitem__('fwd', engine.forward(x)), device)
+        if sync and first is not None: first.arm(holder['fwd'].logits)
         t_bwd = _timed(lambda: engine.loss_backward(holder['fwd'], y, row_weights=weights), device)
     ddp.zero_grad(set_to_none=True)
-    return t_fwd, t_bwd
+    return t_fwd, t_bwd, (first.left if sync and first is not None else None)
 
 def measure_rank(bench: DDPBench) -> dict:
-    "This process's timings: {config: {'fwd': [...], 'bwd': [...], 'bwd_local': [...]}} and the all-reduce alone."
+    "This process's timings: {config: {'fwd': [...], 'bwd': [...], 'bwd_local': [...], 'left': [...]}} and the all-reduce alone."
     device = torch.device(bench.device)
     model = _model(bench).to(device).train()
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
+    first = FirstBucket(ddp)
     rank = tdist.get_rank()
     gen = torch.Generator().manual_seed(bench.seed * 1000 + rank)
     conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
@@ -87,21 +125,28 @@ def measure_rank(bench: DDPBench) -> dict:
         w = torch.zeros(bench.batch, device=device)
         w[torch.randperm(bench.batch, generator=gen)[:max(1, round(k * bench.batch))].to(device)] = 1.0
         return w
-    out = {f'{m}@{k:g}': {'fwd': [], 'bwd': [], 'bwd_local': []} for m, k in configs}
+    out = {f'{m}@{k:g}': {'fwd': [], 'bwd': [], 'bwd_local': [], 'left': []} for m, k in configs}
     for m, k in configs:                                   # warm-up: traces, probes, bucket rebuild
-        for sync in (True, False): _one_step(engines[m], ddp, x, y, weights(k), device, sync)
+        for sync in (True, False): _one_step(engines[m], ddp, x, y, weights(k), device, sync, first)
     for r in range(bench.repeats):
         order = configs if r % 2 == 0 else configs[::-1]
         for m, k in order:
             w = weights(k)
-            t_fwd, t_bwd = _one_step(engines[m], ddp, x, y, w, device, True)
-            _, t_local = _one_step(engines[m], ddp, x, y, w, device, False)
+            t_fwd, t_bwd, left = _one_step(engines[m], ddp, x, y, w, device, True, first)
+            _, t_local, _ = _one_step(engines[m], ddp, x, y, w, device, False)
             key = f'{m}@{k:g}'
             out[key]['fwd'].append(t_fwd); out[key]['bwd'].append(t_bwd); out[key]['bwd_local'].append(t_local)
+            out[key]['left'].append(left)
     for e in engines.values(): e.close()
     return {'times': out, 'allreduce': _allreduce_seconds(ddp, device)}
 
 # %% ../../nbs/08c_bench_ddp.ipynb #26a94a92
+def _left(per_rank: list[dict], key: str) -> float:
+    "The median over repetitions of the processes' mean share of the gradient left at the first bucket (nan if not measured)."
+    runs = [r['times'][key].get('left') for r in per_rank]
+    if not all(runs) or any(v is None for run in runs for v in run): return float('nan')
+    return statistics.median(statistics.fmean(vals) for vals in zip(*runs))
+
 def summarize_ddp(per_rank: list[dict]) -> list[dict]:
     "Rows of the table from every process's `measure_rank` output."
     keys = list(per_rank[0]['times'])
@@ -119,18 +164,19 @@ def summarize_ddp(per_rank: list[dict]) -> list[dict]:
                      'step_ratio': statistics.median(s / d for s, d in zip(step[key], dense)),
                      'backward_ms': 1e3 * sync, 'backward_local_ms': 1e3 * local, 'exposed_ms': 1e3 * exposed,
                      'allreduce_ms': 1e3 * t_ar,
-                     'overlap': min(1.0, max(0.0, 1 - exposed / t_ar)) if t_ar > 0 else float('nan')})
+                     'overlap': min(1.0, max(0.0, 1 - exposed / t_ar)) if t_ar > 0 else float('nan'),
+                     'left_at_first_bucket': _left(per_rank, key)})
     return rows
 
 def format_ddp_table(rows: list[dict], bench: DDPBench) -> str:
-    "A markdown table: step ÷ DDP dense, backward with and without sync, the all-reduce alone and its hidden share."
+    "A markdown table: step ÷ DDP dense, backward with and without sync, the all-reduce alone, its hidden share, the gradient still to come at the first bucket."
     head = (f'{bench.model}, {bench.world} processes × {bench.batch} rows, {bench.img} px, {bench.device} '
             f'({"gloo" if bench.device == "cpu" else "nccl"}), median of {bench.repeats} interleaved repetitions\n\n'
             '| mode | k | step ÷ DDP dense | backward ms (synced) | backward ms (no_sync) | exposed all-reduce ms '
-            '| all-reduce alone ms | all-reduce hidden |\n|---|---|---|---|---|---|---|---|\n')
+            '| all-reduce alone ms | all-reduce hidden | gradient left at 1st bucket |\n|---|---|---|---|---|---|---|---|---|\n')
     return head + '\n'.join(f"| {r['mode']} | {r['k']:g} | {r['step_ratio']:.3f} | {r['backward_ms']:.1f} | "
                             f"{r['backward_local_ms']:.1f} | {r['exposed_ms']:.1f} | {r['allreduce_ms']:.1f} | "
-                            f"{r['overlap']:.0%} |" for r in rows)
+                            f"{r['overlap']:.0%} | {r.get('left_at_first_bucket', float('nan')):.0%} |" for r in rows)
 
 # %% ../../nbs/08c_bench_ddp.ipynb #652bcdd5
 def _worker(rank: int, bench: DDPBench, store: str, out: str) -> None:

@@ -5,6 +5,11 @@
 # %% ../../nbs/08d_bench_sequence.ipynb #b3349188
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -16,9 +21,11 @@ from .selector import median_ms
 from ..core import DEFAULT_BUDGET
 from ..sequence import block_gram, gram_costs, pick_method, select_sequences, token_gram
 
+
 # %% auto #0
-__all__ = ['SEQUENCE_COLUMNS', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'bench_sequence_one', 'format_sequence_table',
-           'cost_ratios']
+__all__ = ['SEQUENCE_COLUMNS', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'interleaved_ms', 'bench_sequence_one',
+           'format_sequence_table', 'dense_macs', 'cost_ratios', 'record_sequence', 'load_sequence_record',
+           'growth_lines', 'HeadGradRow', 'bench_head_grad', 'format_head_grad_table']
 
 # %% ../../nbs/08d_bench_sequence.ipynb #c9d58abd
 class WidthLM(nn.Module):
@@ -49,12 +56,22 @@ def token_batch(B: int, L: int, vocab: int, seed: int = 0, device: str = 'cpu') 
 
 # %% ../../nbs/08d_bench_sequence.ipynb #9e6d71f7
 class SequenceBenchRow(NamedTuple):
-    "One measured (B, L): medians in ms, the method `pick_method` chose, and the two Grams' relative difference."
-    B: int; L: int; dense_ms: float; token_ms: float | None; block_ms: float; select_ms: float; auto: str; gram_diff: float | None
+    "One measured (B, L, V, layers): medians in ms, the method `pick_method` chose, and the two Grams' relative difference."
+    B: int; L: int; V: int; layers: int; dense_ms: float; token_ms: float | None; block_ms: float; select_ms: float
+    auto: str; gram_diff: float | None
+
+def interleaved_ms(fns: dict, repeats: int, warmup: int, device: str) -> dict[str, float]:
+    "Median ms of each `fns[name]()`, timed in turn within each of `repeats` rounds (after `warmup` rounds): a load that comes and goes shares all of them."
+    for _ in range(warmup):
+        for fn in fns.values(): fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items(): times[name].append(median_ms(fn, 1, 0, device))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 def bench_sequence_one(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: int = 1, device: str = 'cpu',
                        seed: int = 0, budget: float = DEFAULT_BUDGET, token: bool = True) -> SequenceBenchRow:
-    "Time the dense step and the selector's pieces at (B, L); `token=False` skips the token Gram (quadratic in B·L)."
+    "Time the dense step and the selector's pieces at (B, L), interleaved (`interleaved_ms`); `token=False` skips the token Gram (quadratic in B·L)."
     x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
     def dense():
         logits, _ = model(x)
@@ -62,32 +79,113 @@ def bench_sequence_one(model: WidthLM, B: int, L: int, repeats: int = 3, warmup:
         model.zero_grad(set_to_none=True)
     with torch.no_grad(): z, h = model(x)
     d, V = h.shape[-1], z.shape[-1]
-    dense_ms = median_ms(dense, repeats, warmup, device)
-    block_ms = median_ms(lambda: block_gram(z, y, h, bias=False, check_values=False), repeats, warmup, device)
-    token_ms = median_ms(lambda: token_gram(z, y, h, bias=False, check_values=False), repeats, warmup, device) if token else None
-    select_ms = median_ms(lambda: select_sequences(z, y, h, budget, bias=False, check_values=False), repeats, warmup, device)
+    fns = {'dense': dense, 'block': lambda: block_gram(z, y, h, bias=False, check_values=False),
+           'select': lambda: select_sequences(z, y, h, budget, bias=False, check_values=False)}
+    if token: fns['token'] = lambda: token_gram(z, y, h, bias=False, check_values=False)
+    ms = interleaved_ms(fns, repeats, warmup, device)
+    dense_ms, block_ms, select_ms, token_ms = ms['dense'], ms['block'], ms['select'], ms.get('token')
     diff = None
     if token:
         Kt, Kb = token_gram(z, y, h, bias=False), block_gram(z, y, h, bias=False)
         diff = float((Kt - Kb).norm() / Kb.norm())
-    return SequenceBenchRow(B, L, dense_ms, token_ms, block_ms, select_ms, pick_method(B, L, V, d, bias=False), diff)
+    return SequenceBenchRow(B, L, V, len(model.blocks), dense_ms, token_ms, block_ms, select_ms,
+                            pick_method(B, L, V, d, bias=False), diff)
 
-SEQUENCE_COLUMNS = ('B', 'L', 'dense ms', 'token ms', 'block ms', 'select ms', 'auto', 'token/dense', 'block/dense',
-                    'select/dense', 'K diff')
+SEQUENCE_COLUMNS = ('B', 'L', 'V', 'layers', 'dense ms', 'token ms', 'block ms', 'select ms', 'auto', 'token/dense',
+                    'block/dense', 'select/dense', 'formula', 'K diff')
 
-def format_sequence_table(rows: list[SequenceBenchRow]) -> str:
-    "A plain-text table, one line per (B, L), with each cost as a fraction of the dense step."
+def format_sequence_table(rows: list[SequenceBenchRow], d: int = 768) -> str:
+    "A plain-text table, one line per (B, L, V, layers), each cost a fraction of the dense step; formula: `cost_ratios`'s select/dense (width `d`)."
     f = lambda v, spec: '-' if v is None else format(v, spec)
-    lines = [' | '.join(f'{c:>12}' for c in SEQUENCE_COLUMNS), '-+-'.join('-' * 12 for _ in SEQUENCE_COLUMNS)]
+    w = [max(6, len(c)) for c in SEQUENCE_COLUMNS]
+    lines = [' | '.join(f'{c:>{n}}' for c, n in zip(SEQUENCE_COLUMNS, w)), '-+-'.join('-' * n for n in w)]
     for r in rows:
-        cells = (r.B, r.L, f(r.dense_ms, '.1f'), f(r.token_ms, '.1f'), f(r.block_ms, '.1f'), f(r.select_ms, '.1f'), r.auto,
-                 f(None if r.token_ms is None else r.token_ms / r.dense_ms, '.3f'), f(r.block_ms / r.dense_ms, '.3f'),
-                 f(r.select_ms / r.dense_ms, '.3f'), f(r.gram_diff, '.0e'))
-        lines.append(' | '.join(f'{str(c):>12}' for c in cells))
+        cells = (r.B, r.L, r.V, r.layers, f(r.dense_ms, '.1f'), f(r.token_ms, '.1f'), f(r.block_ms, '.1f'), f(r.select_ms, '.1f'),
+                 r.auto, f(None if r.token_ms is None else r.token_ms / r.dense_ms, '.3f'), f(r.block_ms / r.dense_ms, '.3f'),
+                 f(r.select_ms / r.dense_ms, '.3f'), f(cost_ratios(r.B, r.L, r.layers, d, r.V)[r.auto], '.3f'), f(r.gram_diff, '.0e'))
+        lines.append(' | '.join(f'{str(c):>{n}}' for c, n in zip(cells, w)))
     return '\n'.join(lines)
 
+def dense_macs(B: int, L: int, layers: int = 2, d: int = 768, vocab: int = 50257) -> int:
+    "The dense step's multiply-adds: 3 (forward + two backward products) × (B·L·(V·d + 12·layers·d²) + layers·B·L²·d)."
+    return 3 * (B * L * (vocab * d + 12 * layers * d * d) + layers * B * L * L * d)
+
 def cost_ratios(B: int, L: int, layers: int = 2, d: int = 768, vocab: int = 50257) -> dict[str, float]:
-    "The formulas' prediction: each Gram's multiply-adds over the dense step's (≈ 3·B·L·(V·d + 12·layers·d²) + attention)."
-    dense = 3 * (B * L * (vocab * d + 12 * layers * d * d) + layers * B * L * L * d)
+    "The formulas' prediction: each Gram's multiply-adds (`gram_costs`) over the dense step's (`dense_macs`)."
+    dense = dense_macs(B, L, layers, d, vocab)
     c = gram_costs(B, L, vocab, d, bias=False)
     return {'token': c['token'] / dense, 'block': c['block'] / dense}
+
+
+# %% ../../nbs/08d_bench_sequence.ipynb #a1c0e5d2
+def record_sequence(path: str | os.PathLike, rows: list[SequenceBenchRow], command: str, machine: str, load: tuple,
+                    settings: dict, steps: list[dict] | None = None) -> dict:
+    "Write a recorded run (command, machine, date, load average before/after, settings, rows, `HeadGradRow` steps) to `path` atomically."
+    rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
+           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+           'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
+           'settings': settings, 'rows': [r._asdict() for r in rows], 'steps': steps or []}
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
+    os.replace(tmp, path)
+    return rec
+
+def load_sequence_record(path: str | os.PathLike) -> tuple[dict, list[SequenceBenchRow]]:
+    "A recorded run and its rows."
+    rec = json.loads(Path(path).read_text())
+    return rec, [SequenceBenchRow(**r) for r in rec['rows']]
+
+def growth_lines(rows: list[SequenceBenchRow], d: int = 768) -> list[str]:
+    "Per pair of rows differing in exactly one of B, L, V, layers: the measured select and dense factors beside the formulas'."
+    keys = ('B', 'L', 'V', 'layers')
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            diff = [k for k in keys if getattr(a, k) != getattr(b, k)]
+            if len(diff) != 1: continue
+            k = diff[0]
+            sel = lambda r: gram_costs(r.B, r.L, r.V, d, bias=False)[r.auto]
+            dense = lambda r: dense_macs(r.B, r.L, r.layers, d, r.V)
+            fixed = ', '.join(f'{n}={getattr(a, n)}' for n in keys if n != k)
+            out.append(f'{k} {getattr(a, k)} -> {getattr(b, k)} ({fixed}): select x{b.select_ms / a.select_ms:.2f} '
+                       f'(formula x{sel(b) / sel(a):.2f}, {a.auto} -> {b.auto}), dense x{b.dense_ms / a.dense_ms:.2f} '
+                       f'(formula x{dense(b) / dense(a):.2f}), select/dense {a.select_ms / a.dense_ms:.3f} -> {b.select_ms / b.dense_ms:.3f}')
+    return out
+
+
+# %% ../../nbs/08d_bench_sequence.ipynb #a1c0e5e2
+class HeadGradRow(NamedTuple):
+    "One (B, L): median step ms of dense, the masked sequence step without and with the selector's head gradient, and the rows kept."
+    B: int; L: int; V: int; layers: int; dense_ms: float; plain_ms: float; head_grad_ms: float; kept: int
+
+def bench_head_grad(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: int = 1, device: str = 'cpu', seed: int = 0,
+                    budget: float = DEFAULT_BUDGET) -> HeadGradRow:
+    "Time, interleaved, the dense step and `sequence_step` (masked engine) with `head_grad` False and True at (B, L)."
+    from capskip.engine import Engine              # the step machinery (imported here: the Gram benchmark needs none of it)
+    from capskip.steps import sequence_step
+    x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
+    features, model.features = model.features, False     # the engines read the head's input themselves: logits only
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    masked, dense_engine, kept = Engine(model, mode='masked'), Engine(model, mode='dense'), []
+    def step(fn):
+        def run():
+            fn(); opt.step(); opt.zero_grad(set_to_none=True)
+        return run
+    def dense():
+        F.cross_entropy(dense_engine.forward(x).logits.flatten(0, 1), y.flatten()).backward()
+    seq = lambda hg: lambda: kept.append(sequence_step(masked, x, y, head_grad=hg, budget=budget).kept)
+    ms = interleaved_ms({'dense': step(dense), 'plain': step(seq(False)), 'head_grad': step(seq(True))}, repeats, warmup, device)
+    masked.close(); dense_engine.close(); model.features = features
+    return HeadGradRow(B, L, model.tok.num_embeddings, len(model.blocks), ms['dense'], ms['plain'], ms['head_grad'], kept[-1])
+
+def format_head_grad_table(rows: list[HeadGradRow]) -> str:
+    "One line per (B, L): the three step times and the two sequence steps over dense, and with over without."
+    cols = ('B', 'L', 'V', 'layers', 'kept', 'dense ms', 'plain ms', 'head_grad ms', 'plain/dense', 'head_grad/dense', 'with/without')
+    w = [max(6, len(c)) for c in cols]
+    lines = [' | '.join(f'{c:>{n}}' for c, n in zip(cols, w)), '-+-'.join('-' * n for n in w)]
+    for r in rows:
+        cells = (r.B, r.L, r.V, r.layers, f'{r.kept}/{r.B}', f'{r.dense_ms:.1f}', f'{r.plain_ms:.1f}', f'{r.head_grad_ms:.1f}',
+                 f'{r.plain_ms / r.dense_ms:.3f}', f'{r.head_grad_ms / r.dense_ms:.3f}', f'{r.head_grad_ms / r.plain_ms:.3f}')
+        lines.append(' | '.join(f'{str(c):>{n}}' for c, n in zip(cells, w)))
+    return '\n'.join(lines)
+

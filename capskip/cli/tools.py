@@ -91,41 +91,64 @@ def bench_sequence_parser() -> argparse.ArgumentParser:
                                 'against one dense step of a GPT-2-width causal LM (median ms, fractions of the step).')
     p.add_argument('--batch', type=_int_list, default=[1, 2, 4], help='batch sizes B, comma-separated (default 1,2,4)')
     p.add_argument('--lengths', type=_int_list, default=[128, 256, 512], help='sequence lengths L, comma-separated (default 128,256,512)')
-    p.add_argument('--layers', type=int, default=2, help='transformer blocks of the LM (default %(default)s)')
+    p.add_argument('--layers', type=_int_list, default=[2], help='transformer blocks of the LM, comma-separated (default 2)')
     p.add_argument('--width', type=int, default=768, help='model width d (default %(default)s, GPT-2 small)')
     p.add_argument('--heads', type=int, default=12, help='attention heads (default %(default)s)')
-    p.add_argument('--vocab', type=int, default=50257, help='vocabulary V (default %(default)s, GPT-2)')
+    p.add_argument('--vocab', type=_int_list, default=[50257], help='vocabulary sizes V, comma-separated (default 50257, GPT-2)')
     p.add_argument('--repeats', type=int, default=3, help='timed calls per measurement, whose median is reported (default %(default)s)')
     p.add_argument('--warmup', type=int, default=1, help='untimed calls before timing (default %(default)s)')
     p.add_argument('--no-token', action='store_true', help='skip the token Gram, quadratic in B·L (default: timed)')
     p.add_argument('--device', default='auto', help='cpu, cuda or cuda:i (default %(default)s: cuda when available, else cpu)')
     p.add_argument('--seed', type=int, default=0, help='seed of the model and the random tokens (default %(default)s)')
+    p.add_argument('--head-grad', action='store_true',
+                   help="also time the masked sequence step with and without the selector's head gradient (default: off)")
+    p.add_argument('--record', default=None, metavar='RUN.json',
+                   help='also write a recorded run (command, machine, load average, rows) for docs pages to show (default: none)')
     return p
 
 def bench_sequence_main(argv: list[str] | None = None) -> int:
-    "`capskip bench sequence [--batch 1,2,4] [--lengths 128,256,512] [--layers 2] [--device cpu|cuda]`"
+    "`capskip bench sequence [--batch 1,2,4] [--lengths 128,256,512] [--layers 2,12] [--vocab 50257] [--device cpu|cuda] [--record RUN.json]`"
     parser = bench_sequence_parser()
     ns = parser.parse_args(argv or [])
-    if min(ns.repeats, ns.layers, ns.width, ns.heads, ns.vocab) < 1 or ns.warmup < 0:
+    if min(ns.repeats, ns.width, ns.heads) < 1 or ns.warmup < 0:
         parser.error('--repeats, --layers, --width, --heads and --vocab must be ≥ 1 and --warmup ≥ 0')
     if ns.width % ns.heads: parser.error(f'--width {ns.width} must be a multiple of --heads {ns.heads}')
     import torch                                      # after parsing: usage errors answer without torch
-    from capskip.bench.sequence import WidthLM, bench_sequence_one, format_sequence_table
+    from capskip.bench.sequence import (WidthLM, bench_head_grad, bench_sequence_one, format_head_grad_table, format_sequence_table,
+                                        growth_lines, record_sequence)
+    from capskip.bench.step import machine_name
     if ns.device == 'auto': ns.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if ns.device.startswith('cuda') and not torch.cuda.is_available(): parser.error('--device cuda given but CUDA is not available')
-    torch.manual_seed(ns.seed)
-    model = WidthLM(ns.layers, ns.width, ns.vocab, ns.heads, max(ns.lengths)).to(ns.device)
     name = torch.cuda.get_device_name(ns.device) if ns.device.startswith('cuda') else f'cpu, {torch.get_num_threads()} threads'
-    print(f'capskip bench sequence: device {ns.device} ({name}), torch {torch.__version__}; LM d={ns.width}, V={ns.vocab}, '
-          f'{ns.layers} layers, {ns.heads} heads, fp32; median of {ns.repeats} after {ns.warmup} warm-up calls')
-    rows = []
-    for B in ns.batch:
-        for L in ns.lengths:
-            rows.append(bench_sequence_one(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed, token=not ns.no_token))
-            print(f'  measured B={B} L={L}', file=sys.stderr, flush=True)
-    print(format_sequence_table(rows))
+    csv = lambda v: ','.join(map(str, v))
+    print(f'capskip bench sequence: device {ns.device} ({name}), torch {torch.__version__}; LM d={ns.width}, V={csv(ns.vocab)}, '
+          f'{csv(ns.layers)} layers, {ns.heads} heads, fp32; median of {ns.repeats} after {ns.warmup} warm-up calls')
+    rows, steps, load_before = [], [], os.getloadavg()[0]
+    for layers in ns.layers:
+        for V in ns.vocab:
+            torch.manual_seed(ns.seed)
+            model = WidthLM(layers, ns.width, V, ns.heads, max(ns.lengths)).to(ns.device)
+            for B in ns.batch:
+                for L in ns.lengths:
+                    rows.append(bench_sequence_one(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed, token=not ns.no_token))
+                    if ns.head_grad: steps.append(bench_head_grad(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed))
+                    print(f'  measured B={B} L={L} V={V} layers={layers}', file=sys.stderr, flush=True)
+            del model
+    print(format_sequence_table(rows, ns.width))
     print('dense: forward + cross-entropy + backward of every token; token/block: the row Gram K by each method; select: '
-          'select_sequences with the cheaper (auto); K diff: ‖K_token − K_block‖/‖K_block‖.')
+          'select_sequences with the cheaper (auto); formula: that Gram\'s multiply-adds over the dense step\'s; '
+          'K diff: ‖K_token − K_block‖/‖K_block‖.')
+    for line in growth_lines(rows, ns.width): print(line)
+    if steps:
+        print(format_head_grad_table(steps))
+        print('steps (interleaved, SGD included): dense, and the masked engine\'s capskip.steps.sequence_step with head_grad=False '
+              '(plain) and head_grad=True (the head\'s gradient from the selector, its ∂W product not run in the backward).')
+    if ns.record:
+        threads = f'OMP_NUM_THREADS={os.environ["OMP_NUM_THREADS"]} ' if 'OMP_NUM_THREADS' in os.environ else ''
+        command = threads + 'capskip bench sequence ' + ' '.join(a for a in (argv or []) if not a.startswith('--record') and a != ns.record)
+        record_sequence(ns.record, rows, command, machine_name(ns.device), (load_before, os.getloadavg()[0]), vars(ns),
+                        [r._asdict() for r in steps])
+        print(f'recorded to {ns.record}')
     return 0
 
 
@@ -157,7 +180,8 @@ def _step_parser() -> argparse.ArgumentParser:
                    help='also write a recorded run (command, machine, load average, settings, rows) for docs pages to show')
     p.add_argument('--ddp', type=int, default=0, metavar='N',
                    help='instead: N processes under torch DistributedDataParallel (gloo on cpu, nccl on cuda): dense, reforward '
-                   'and reuse as ratios to DDP dense, and the share of the all-reduce hidden behind the backward; --batch is '
+                   'and reuse as ratios to DDP dense, the share of the all-reduce hidden behind the backward and the share of '
+                   'the gradient still to be produced when the first bucket is launched; --batch is '
                    'rows per process (default 0: off)')
     p.add_argument('--phase', default='all', choices=['all', 'time', 'memory'], help=argparse.SUPPRESS)
     return p

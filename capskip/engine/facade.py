@@ -5,6 +5,8 @@
 # %% ../../nbs/01g_facade.ipynb #b53bfb70
 from __future__ import annotations
 
+import contextlib
+import inspect
 import sys
 from typing import Callable
 
@@ -26,7 +28,7 @@ from ..registry import Registry
 
 # %% auto #0
 __all__ = ['EXECUTORS', 'MAX_CALLS', 'sequence_grad_logits', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'fsdp_sharded',
-           'fsdp_error', 'Engine']
+           'fsdp2_modules', 'fsdp_error', 'fsdp_refusal', 'fsdp2_hooks_off', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
@@ -93,30 +95,92 @@ def unsynced_error(model: nn.Module) -> RuntimeError:
                         "accelerator.prepare returned) or call it inside the wrapped module's forward; pass "
                         'ddp_check=False if you synchronise gradients yourself')
 
-def fsdp_sharded(model: nn.Module) -> tuple[str, str] | None:
-    "(the FSDP class, the module's name) if torch's FSDP shards `model` or any submodule (FSDP1 wrapper or flat parameter, FSDP2 `fully_shard`), else None."
-    fsdp = sys.modules.get('torch.distributed.fsdp')
-    if fsdp is None: return None                     # nothing is sharded before torch.distributed.fsdp is imported
-    kinds = tuple(c for c in (getattr(fsdp, 'FullyShardedDataParallel', None), getattr(fsdp, 'FSDPModule', None)) if c)
-    state_of = getattr(sys.modules.get('torch.distributed._composable_state'), '_get_module_state', None)
+def _fsdp_version(m: nn.Module, kinds: dict, state_of) -> int | None:
+    "2 if `fully_shard` (FSDP2) shards module `m` itself, 1 if FSDP1 does (wrapper, its state or a flat parameter), else None."
+    names = {c.__name__ for c in type(m).__mro__}
+    if isinstance(m, kinds[2]) or 'FSDPModule' in names: return 2
+    if isinstance(m, kinds[1]) or 'FullyShardedDataParallel' in names: return 1
+    state = state_of(m) if state_of is not None else None
+    if state is not None and 'FSDP' in type(state).__name__: return 2 if type(state).__name__ == 'FSDPState' else 1
     flat = lambda t: any(getattr(u, a, False) for u in (t, getattr(t, '_base', None)) for a in ('_is_flat_param', '_fsdp_flattened'))
-    for name, m in model.named_modules():
-        where = f'module `{name}`' if name else 'the model'
-        names = {c.__name__ for c in type(m).__mro__}
-        if isinstance(m, kinds) or names & {'FullyShardedDataParallel', 'FSDPModule'}: return type(m).__name__, where
-        state = state_of(m) if state_of is not None else None
-        if state is not None and 'FSDP' in type(state).__name__: return type(state).__name__, where
-        tensors = list(m._parameters.values()) + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
-        if any(t is not None and (flat(t) or flat(t.data)) for t in tensors):
-            return 'FullyShardedDataParallel', where    # FSDP1 wrapped it after capskip saw it: flattened parameters
+    tensors = list(m._parameters.values()) + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    if any(t is not None and (flat(t) or flat(t.data)) for t in tensors): return 1   # FSDP1 wrapped it after capskip saw it
     return None
 
-def fsdp_error(found: tuple[str, str]) -> ValueError:
-    "The refusal of an FSDP-sharded model (whatever `ddp_check` says)."
+def fsdp_sharded(model: nn.Module, version: int | None = None) -> tuple[str, str] | None:
+    "(the FSDP class, the module's name) of the first module torch's FSDP shards in `model` (`version` 1: FSDP1 wrapper or flat parameter; 2: FSDP2 `fully_shard`; None: either), else None."
+    fsdp = sys.modules.get('torch.distributed.fsdp')
+    if fsdp is None: return None                     # nothing is sharded before torch.distributed.fsdp is imported
+    kinds = {1: getattr(fsdp, 'FullyShardedDataParallel', ()), 2: getattr(fsdp, 'FSDPModule', ())}
+    state_of = getattr(sys.modules.get('torch.distributed._composable_state'), '_get_module_state', None)
+    for name, m in model.named_modules():
+        v = _fsdp_version(m, kinds, state_of)
+        if v is not None and version in (None, v):
+            kind = type(m).__name__ if v == 2 else 'FullyShardedDataParallel'
+            return kind, (f'module `{name}`' if name else 'the model')
+    return None
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    "The modules of `model` that FSDP2's `fully_shard` sharded (FSDPModule), in `modules()` order (the root first)."
+    fsdp = sys.modules.get('torch.distributed.fsdp')
+    kind = getattr(fsdp, 'FSDPModule', None)
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
+
+def fsdp_error(found: tuple[str, str], later: bool = False) -> ValueError:
+    "The refusal of a model capskip cannot run sharded (whatever `ddp_check` says): FSDP1 anywhere, FSDP2 not on the model itself, or FSDP2 applied after `CAPSkip`/`Engine` was built."
     kind, where = found
-    return ValueError(f'capskip does not support FSDP yet: {where} is sharded by FSDP ({kind}), and a skipped backward '
-                      'there would leave gradients missing or unreduced on each rank; train with DistributedDataParallel '
-                      'instead (CAPSkip(DDP(model))); ddp_check=False does not lift this')
+    if kind == 'FullyShardedDataParallel':
+        return ValueError(f'capskip does not support FSDP1: {where} is wrapped by FullyShardedDataParallel, whose flat '
+                          'parameters a skipped backward cannot reach; shard with FSDP2 instead (torch.distributed.fsdp.'
+                          'fully_shard on each block and on the model), or use DistributedDataParallel; ddp_check=False does '
+                          'not lift this')
+    if later:
+        return ValueError(f'capskip: {where} was sharded by fully_shard ({kind}) after CAPSkip/Engine was built: call '
+                          'fully_shard first, then build CAPSkip/Engine on the sharded model; ddp_check=False does not lift this')
+    return ValueError(f'capskip: {where} is sharded by fully_shard ({kind}) but the model is not, so no FSDP2 root '
+                      'reduce-scatters the gradients of a skipped backward: call fully_shard(model) on the model you '
+                      'pass too (after its blocks); ddp_check=False does not lift this')
+
+def fsdp_refusal(model: nn.Module) -> ValueError | None:
+    "The error for a model capskip cannot run sharded (FSDP1 anywhere, or FSDP2 on submodules but not on the model), else None."
+    if (found := fsdp_sharded(model, 1)) is not None: return fsdp_error(found)
+    if (found := fsdp_sharded(model, 2)) is not None and found[1] != 'the model': return fsdp_error(found)
+    return None
+
+def _fsdp_hook(hook) -> bool:
+    "Whether a module hook is one of FSDP2's forward hooks (a method of its state, or wrapped around one)."
+    state = getattr(sys.modules.get('torch.distributed.fsdp._fully_shard._fsdp_state'), 'FSDPState', None)
+    return state is not None and any(isinstance(getattr(h, '__self__', None), state) for h in (hook, getattr(hook, '__wrapped__', None)))
+
+@contextlib.contextmanager
+def fsdp2_hooks_off(modules: list[nn.Module]):
+    "Within the block, `modules` run without FSDP2's forward hooks (their parameters stay as they are: unsharded by capskip)."
+    taken = []
+    for m in modules:
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            order = list(hooks)
+            taken.append((hooks, [(k, hooks.pop(k)) for k in order if _fsdp_hook(hooks[k])], order))
+    try: yield
+    finally:
+        for hooks, items, order in taken:
+            hooks.update(items)
+            for k in order:
+                if k in hooks: hooks.move_to_end(k)
+
+def _stepped(stages, modules: list[nn.Module]):
+    "The items of the iterator `stages`, each computed under `fsdp2_hooks_off(modules)`."
+    while True:
+        with fsdp2_hooks_off(modules):
+            try: item = next(stages)
+            except StopIteration: return
+        yield item
+
+def _hooks_off(fn, modules: list[nn.Module]):
+    "`fn` run under `fsdp2_hooks_off(modules)` (an executor's backward: reforward's second forward runs the modules), each step of it when it returns a generator."
+    def run(*args, **kwargs):
+        with fsdp2_hooks_off(modules): out = fn(*args, **kwargs)
+        return _stepped(out, modules) if inspect.isgenerator(out) else out
+    return run
 
 MAX_CALLS = 16   # input structures one Engine keeps graphs for (our choice: a handful of shapes, bounded memory)
 
@@ -128,16 +192,24 @@ class Engine:
         if mode not in EXECUTORS: raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
         if logits_fn is not None and not callable(logits_fn): raise TypeError('logits_fn must be a function output -> logits')
         model, compile = uncompiled(model, compile)
-        if (found := fsdp_sharded(model)) is not None: raise fsdp_error(found)
-        self.wrapper, model = data_parallel_wrapper(model)   # DDP: its forward runs around ours, its reducer syncs
+        if (err := fsdp_refusal(model)) is not None: raise err
+        self.fsdp = fsdp2_modules(model)                 # FSDP2: the root's forward runs around ours (unshard, reduce-scatter)
+        self.wrapper, model = (model, model) if self.fsdp else data_parallel_wrapper(model)   # DDP: its reducer syncs
         self.model, self.mode, self.compile, self.ddp_check = model, mode, bool(compile), bool(ddp_check)
         self.head_arg, self.logits_fn = head, logits_fn
         self.capture = HeadCapture(resolve_head(model, head), model, explicit=head is not None)
-        self.executor = EXECUTORS.create(mode, model, self.capture, RowProbe(model), compile=self.compile)
+        self.executor = self._executor(model, self.capture)
         self.calls: dict = {}                            # InputSpec.key -> (ModelCall, its HeadCapture, its executor)
         self.not_logits: set = set()                     # signatures of one-tensor calls whose output is not a tensor
         self.last_capture = self.capture
         self.fsdp_checked = False                        # sharded after construction: refused at the first forward
+
+    def _executor(self, model: nn.Module, capture: HeadCapture):
+        "This mode's executor for `model`; under FSDP2 its backward runs the modules without FSDP2's hooks."
+        executor = EXECUTORS.create(self.mode, model, capture, RowProbe(model), compile=self.compile)
+        for name in ('param_grads', 'param_grad_stages') if self.fsdp else ():   # what the backward node calls
+            if hasattr(executor, name): setattr(executor, name, _hooks_off(getattr(executor, name), self.fsdp))
+        return executor
 
     @property
     def head(self) -> nn.Module:
@@ -183,8 +255,7 @@ class Engine:
                                  'or pad_to_multiple_of) and keep the keywords the same from batch to batch')
             call = ModelCall(self.model, spec, self.logits_fn)
             capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
-            self.calls[spec.key] = (call, capture, EXECUTORS.create(self.mode, call, capture, RowProbe(call),
-                                                                      compile=self.compile))
+            self.calls[spec.key] = (call, capture, self._executor(call, capture))
         call, capture, executor = self.calls[spec.key]
         call.spec = spec
         capture.verify(x)
@@ -198,8 +269,10 @@ class Engine:
     def forward(self, *args, **kwargs) -> Forward:
         "One forward of all rows (`engine.forward(x)`, or the model's own arguments, keywords included): `.logits` and `.features` from the same pass."
         if not self.fsdp_checked:
-            if (found := fsdp_sharded(self.model if self.wrapper is None else self.wrapper)) is not None: raise fsdp_error(found)
+            if (err := fsdp_refusal(self.model if self.wrapper is None else self.wrapper)) is not None: raise err
+            if not self.fsdp and (found := fsdp_sharded(self.model, 2)) is not None: raise fsdp_error(found, later=True)
             self.fsdp_checked = True
+        if self.fsdp: return self._fsdp2_forward(args, kwargs)
         if self.wrapper is None:
             if self.ddp_check and torch.is_grad_enabled() and unsynced_forward(): raise unsynced_error(self.model)
             fwd = self._forward(args, kwargs)
@@ -210,6 +283,22 @@ class Engine:
             fwd = out[-1]
             fwd.logits = logits                          # DDP may pass the output through its own autograd node
         fwd.autograd = torch.is_grad_enabled()
+        return fwd
+
+    def _fsdp2_forward(self, args: tuple, kwargs: dict) -> Forward:
+        "The FSDP2 root's forward (root unshard; its pre-backward hook on the logits queues the reduce-scatter of every group) around ours, on parameters every `fully_shard` module unsharded, without their hooks."
+        out: list = []
+        def inner(*a, **kw):
+            for m in self.fsdp: m.unshard()              # no-op where already unsharded (the root, by its pre-forward)
+            with fsdp2_hooks_off(self.fsdp): out.append(self._forward(a, kw))
+            logits = out[-1].logits                      # a view (reuse's logits[:B]) would lose FSDP2's hook to an in-place op
+            return logits.clone() if logits._base is not None else logits
+        with routed(self.model, inner):
+            logits = self.wrapper(*args, **kwargs)
+        fwd = out[-1]
+        fwd.logits, fwd.autograd = logits, torch.is_grad_enabled()
+        if not fwd.autograd:                             # no backward will reshard them
+            for m in self.fsdp[1:]: m.reshard()
         return fwd
 
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, extra: tuple = ()) -> int:

@@ -16,8 +16,8 @@ from torch.autograd.function import once_differentiable
 from .types import Forward
 
 # %% auto #0
-__all__ = ['nonzero_rows', 'kept_indices', 'trainable', 'SkipNode', 'SkipBackward', 'skip_forward', 'InjectGrad', 'inject_grad',
-           'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
+__all__ = ['nonzero_rows', 'kept_indices', 'trainable', 'SkipNode', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad',
+           'inject_grad', 'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 # %% ../../nbs/01k_node.ipynb #9f844b0e
 @dataclass
 class SkipNode:
-    "The link between one forward of every row and its backward: executor, parameters, saved state, kept rows."
+    "The link between one forward of every row and its backward: executor, parameters, saved state, kept rows, stages."
     executor: Any                          # .run_forward(x) -> Forward; .param_grads(mode, state, grad, keep, kept, params)
     params: list                           # [(name, parameter)] the backward returns gradients for, in this order
     mode: str = ''                         # the mode that ran the forward (a fallback may differ from the engine's)
@@ -43,40 +43,79 @@ class SkipNode:
     keep: torch.Tensor | None = None       # bool [B]: the kept rows, when the caller knows them
     kept: int | None = None                # their count (the step's one host read)
     ran: bool = False
+    groups: list | None = None             # per stage, in backward order, the indices into `params` it returns
+    stream: Any = None                     # the backward under way: an iterator of each stage's gradients
+
+def _groups(node: SkipNode) -> list[list[int]]:
+    "The stages' parameter groups: the executor's (`grad_groups(mode, state, params)`, when it has one), else one stage of every parameter."
+    ask = getattr(node.executor, 'grad_groups', None)
+    groups = ask(node.mode, node.state, node.params) if ask is not None else None
+    return groups if groups else [list(range(len(node.params)))]
+
+def _start(node: SkipNode, grad_logits: torch.Tensor):
+    "The backward's first stage: the kept rows, then an iterator of each stage's gradients (in `node.groups`' order)."
+    if node.ran or node.state is None:
+        raise RuntimeError('capskip: this forward was already back-propagated and its saved values are freed: '
+                           'run the forward again (retain_graph=True cannot keep them)')
+    node.ran = True
+    keep = nonzero_rows(grad_logits) if node.keep is None else node.keep
+    kept = int(keep.sum()) if node.kept is None else node.kept   # the step's one host read
+    node.keep, node.kept = keep, kept
+    state, node.state, ex = node.state, None, node.executor
+    if kept and len(node.groups) > 1:
+        return iter(ex.param_grad_stages(node.mode, state, grad_logits, keep, kept, node.params, node.groups))
+    if kept == 0: grads = [torch.zeros_like(p) for _, p in node.params]   # as a masked backward would give
+    else: grads = ex.param_grads(node.mode, state, grad_logits, keep, kept, node.params)
+    return iter([[grads[i] for i in group] for group in node.groups])
+
+def _stage_grads(node: SkipNode, stage: int) -> list:
+    "Stage `stage`'s gradients (aligned with `node.groups[stage]`), the next item of the backward under way."
+    grads = next(node.stream)
+    if stage == len(node.groups) - 1: node.stream = None     # the last stage: nothing of the backward is left
+    return grads
 
 class SkipBackward(torch.autograd.Function):
-    "Forward of every row without autograd; backward over only the rows whose upstream gradient is non-zero."
+    "The forward's logits as an autograd node; its backward runs the rows whose upstream gradient is non-zero and returns the first stage's gradients."
     @staticmethod
-    def forward(ctx, node: SkipNode, out: list, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        fwd = node.executor.run_forward(x)
-        node.mode, node.state = fwd.mode, fwd.state          # the Forward keeps a reference: the backward empties it
-        out.append(fwd)
-        ctx.node = node
-        return fwd.logits
+    def forward(ctx, node: SkipNode, box: list, token, *params: torch.Tensor) -> torch.Tensor:
+        ctx.node, ctx.token_device = node, None if token is None else token.device
+        return box.pop()                                  # the logits (not an input: autograd would return a view)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logits: torch.Tensor):
         node = ctx.node
-        if node.ran or node.state is None:
-            raise RuntimeError('capskip: this forward was already back-propagated and its saved values are freed: '
-                               'run the forward again (retain_graph=True cannot keep them)')
-        node.ran = True
-        keep = nonzero_rows(grad_logits) if node.keep is None else node.keep
-        kept = int(keep.sum()) if node.kept is None else node.kept   # the step's one host read
-        node.keep, node.kept = keep, kept
-        state, node.state = node.state, None
-        if kept == 0: grads = [torch.zeros_like(p) for _, p in node.params]   # as a masked backward would give
-        else: grads = node.executor.param_grads(node.mode, state, grad_logits, keep, kept, node.params)
-        return (None, None, None, *grads)
+        node.stream = _start(node, grad_logits)
+        grads = _stage_grads(node, 0)
+        token = None if ctx.token_device is None else torch.zeros((), device=ctx.token_device)   # lets stage 1 run
+        return (None, None, token, *grads)
+
+class SkipStage(torch.autograd.Function):
+    "Stage `stage` of a node's backward: a 0-d token whose backward returns that stage's parameter gradients."
+    @staticmethod
+    def forward(ctx, node: SkipNode, stage: int, token, *params: torch.Tensor) -> torch.Tensor:
+        ctx.node, ctx.stage, ctx.token_device = node, stage, None if token is None else token.device
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, token: torch.Tensor):
+        node, stage = ctx.node, ctx.stage
+        if node.stream is None: raise RuntimeError('capskip: a stage of the backward ran before its first stage')
+        grads = _stage_grads(node, stage)
+        return (None, None, None if ctx.token_device is None else torch.zeros((), device=ctx.token_device), *grads)
 
 def skip_forward(executor, x: torch.Tensor) -> Forward:
-    "One forward of every row as an autograd node (`SkipBackward`): `.logits` is in autograd's graph."
+    "One forward of every row as autograd nodes (`SkipBackward`, then one `SkipStage` per further group of parameters): `.logits` is in autograd's graph."
     node = SkipNode(executor, trainable(executor.model))
-    out: list = []
-    logits = SkipBackward.apply(node, out, x, *(p for _, p in node.params))
-    fwd = out[0]
-    fwd.logits, fwd.node = logits, node
+    with torch.no_grad(): fwd = executor.run_forward(x)
+    node.mode, node.state = fwd.mode, fwd.state          # the Forward keeps a reference: the backward empties it
+    node.groups = _groups(node)
+    token = None
+    for stage in range(len(node.groups) - 1, 0, -1):     # built last stage first: autograd runs them in reverse
+        token = SkipStage.apply(node, stage, token, *(node.params[i][1] for i in node.groups[stage]))
+    fwd.logits = SkipBackward.apply(node, [fwd.logits], token, *(node.params[i][1] for i in node.groups[0]))
+    fwd.node = node
     return fwd
 
 # %% ../../nbs/01k_node.ipynb #7b394f4b

@@ -22,6 +22,7 @@ from .head import HeadCapture
 from .layouts import is_rows, make_layout, renumbered
 from .node import kept_indices
 from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
+from .stages import STAGES, run_stages, split_stages, stage_groups
 from .types import Forward, RowDependenceError
 
 # %% auto #0
@@ -134,6 +135,7 @@ class Reuse(Executor):
         self.twins: dict = {}                            # id(Traced) -> its compiled twin (compile=True)
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
         self.params: dict = {}                           # (id(Traced), parameter names) -> (Traced, gradient slots), made once
+        self.staged: dict = {}                           # (id(graph), names, groups) -> its graph cut in stages
         self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of
 
     def runnable(self, traced: Traced) -> Traced:
@@ -204,9 +206,8 @@ class Reuse(Executor):
         logits, feats, saved = run_forward(traced, self.model, x if B >= 2 else torch.cat([x, x]))
         return Forward(logits[:B], feats[:B], self.mode, state=ReuseState(traced, saved, max(B, 2)))
 
-    def param_grads(self, mode: str, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
-        "Gradients of `params` ([(name, parameter)]) from the backward graph over the kept rows (the unsliced graph when all are kept)."
-        if mode != self.mode: return self.fallback.param_grads(mode, st, grad_logits, keep, kept, params)
+    def backward_graph(self, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> tuple:
+        "(graph, its arguments): the backward graph over the kept rows (the unsliced graph when all are kept); the saved values pass to the arguments."
         traced, B = st.traced, st.batch
         sliced = traced.fallback_reason is None and not (kept == B and keep.numel() == B)
         if sliced:
@@ -230,9 +231,41 @@ class Reuse(Executor):
             full[:keep.shape[0]] = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))
             graph, args = traced.bw_full, _bw_args(traced, traced.bw_full_inputs, st.saved, full, None)
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
-        with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
-            grads = graph(args)
+        return graph, args
+
+    def slots(self, traced: Traced, params: list) -> list:
+        "Per output of `traced`'s backward graphs, the index in `params` of the parameter it is the gradient of (made once)."
         key = (id(traced), tuple(name for name, _ in params))
         if key not in self.params: self.params[key] = (traced, _grad_slots(traced, params))
-        return _aligned(self.params[key][1], grads, params)
+        return self.params[key][1]
 
+    def param_grads(self, mode: str, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
+        "Gradients of `params` ([(name, parameter)]) from the backward graph over the kept rows (the unsliced graph when all are kept)."
+        if mode != self.mode: return self.fallback.param_grads(mode, st, grad_logits, keep, kept, params)
+        graph, args = self.backward_graph(st, grad_logits, keep, kept)
+        with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
+            grads = graph(args)
+        return _aligned(self.slots(st.traced, params), grads, params)
+
+    def grad_groups(self, mode: str, st, params: list) -> list[list[int]] | None:
+        "The node's stages (`capskip.engine.node`): indices into `params` in groups of about 1/`STAGES` of the elements, in the order the sliced backward produces them (`capskip.engine.stages`; None: one stage — a fallback, or compiled graphs)."
+        if mode != self.mode or self.compile or STAGES < 2 or len(params) < 2: return None
+        key = ('groups', id(st.traced), tuple(name for name, _ in params))
+        if key not in self.params:
+            self.params[key] = (st.traced, stage_groups(st.traced.bw, self.slots(st.traced, params), [p.numel() for _, p in params], STAGES))
+        return self.params[key][1]
+
+    def param_grad_stages(self, mode: str, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int,
+                          params: list, groups: list[list[int]]):
+        "Each stage's gradients in turn (aligned with `groups[s]`): the backward graph of `param_grads`, cut after each group's last gradient."
+        graph, args = self.backward_graph(st, grad_logits, keep, kept)
+        slots = self.slots(st.traced, params)
+        key = (id(graph), tuple(name for name, _ in params), tuple(map(tuple, groups)))
+        if key not in self.staged: self.staged[key] = split_stages(graph, slots, groups)
+        for s, outs in enumerate(run_stages(self.staged[key], args, grad_logits.device.type)):
+            got = {}
+            for j, g in outs.items():
+                if j < len(slots) and slots[j] is not None and g is not None:
+                    p = params[slots[j]][1]
+                    got[slots[j]] = g if g.dtype == p.dtype else g.to(p.dtype)
+            yield [got.get(i) for i in groups[s]]

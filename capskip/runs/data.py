@@ -24,7 +24,7 @@ from .checks import CIFAR_HELP, check_batches, check_cifar_split, read_cifar_pic
 __all__ = ['CIFAR100_MEAN', 'CIFAR100_STD', 'IMAGENET_MEAN', 'IMAGENET_STD', 'SPLITS', 'DIGITS_VAL', 'DIGITS_TEST',
            'NO_VALIDATION', 'stratified_split', 'ImageTransform', 'RowBatch', 'ImageRows', 'Splits', 'PlanBatches',
            'collate_rows', 'make_loader', 'list_splits', 'create_splits', 'warn_no_validation', 'digits_splits',
-           'CIFAR100Files', 'cifar100_transforms', 'cifar100_splits', 'synthetic_splits']
+           'cifar100_files', 'cifar100_transforms', 'cifar100_splits', 'synthetic_splits']
 
 # %% ../../nbs/03a_data.ipynb #00d7dff8
 def _class_quotas(counts: Tensor, available: Tensor, size: int) -> Tensor:
@@ -254,33 +254,49 @@ def digits_splits(img_size: int = 16, seed: int = 0, in_chans: int = 1, n_val: i
                   classes=[str(d) for d in range(10)])
 
 # %% ../../nbs/03a_data.ipynb #2d4bba23
-import torchvision
+def _cifar100_files_class() -> type:
+    "torchvision's `CIFAR100`, subclassed on first use: importing torchvision loads `torch._dynamo` (about 2 s per process), which digits and text runs never need."
+    import torchvision
+
+    class CIFAR100Files(torchvision.datasets.CIFAR100):
+        "torchvision's CIFAR-100 with content validation instead of md5 checks; `data` is uint8 [N, 32, 32, 3], `targets` a list."
+        def __init__(self, root: str | Path, train: bool = True, download: bool = False):
+            torchvision.datasets.VisionDataset.__init__(self, str(root))
+            self.train, root = train, Path(root)
+            if download: self.download()  # torchvision: fetches and md5-checks the official archive if files differ
+            folder = root / self.base_folder
+            if not folder.is_dir():
+                raise FileNotFoundError(f"CIFAR-100 folder not found: {folder}. " + CIFAR_HELP.format(root=root))
+            arrays = [check_cifar_split(read_cifar_pickle(folder / name, root), folder / name, root)
+                      for name, _md5 in (self.train_list if train else self.test_list)]
+            self.data = np.concatenate([d for d, _ in arrays]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+            self.targets = np.concatenate([t for _, t in arrays]).tolist()
+            self._load_meta()
+
+        def _load_meta(self) -> None:
+            root = Path(self.root)
+            path = root / self.base_folder / self.meta['filename']
+            names = read_cifar_pickle(path, root).get(self.meta['key'])
+            if not isinstance(names, list) or len(names) != 100:
+                raise ValueError(f"CIFAR-100 file {path} is malformed: '{self.meta['key']}' must list 100 class names. "
+                                 + CIFAR_HELP.format(root=root))
+            self.classes = names
+            self.class_to_idx = {c: i for i, c in enumerate(names)}
+    CIFAR100Files.__qualname__ = 'CIFAR100Files'
+    return CIFAR100Files
 
 
-class CIFAR100Files(torchvision.datasets.CIFAR100):
-    "torchvision's CIFAR-100 with content validation instead of md5 checks; `data` is uint8 [N, 32, 32, 3], `targets` a list."
-    def __init__(self, root: str | Path, train: bool = True, download: bool = False):
-        torchvision.datasets.VisionDataset.__init__(self, str(root))
-        self.train, root = train, Path(root)
-        if download: self.download()  # torchvision: fetches and md5-checks the official archive if files differ
-        folder = root / self.base_folder
-        if not folder.is_dir():
-            raise FileNotFoundError(f"CIFAR-100 folder not found: {folder}. " + CIFAR_HELP.format(root=root))
-        arrays = [check_cifar_split(read_cifar_pickle(folder / name, root), folder / name, root)
-                  for name, _md5 in (self.train_list if train else self.test_list)]
-        self.data = np.concatenate([d for d, _ in arrays]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-        self.targets = np.concatenate([t for _, t in arrays]).tolist()
-        self._load_meta()
+def __getattr__(name: str):
+    "The module's lazy attribute (PEP 562): `CIFAR100Files` is built when first asked for."
+    if name == 'CIFAR100Files':
+        globals()[name] = cls = _cifar100_files_class()
+        return cls
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
-    def _load_meta(self) -> None:
-        root = Path(self.root)
-        path = root / self.base_folder / self.meta['filename']
-        names = read_cifar_pickle(path, root).get(self.meta['key'])
-        if not isinstance(names, list) or len(names) != 100:
-            raise ValueError(f"CIFAR-100 file {path} is malformed: '{self.meta['key']}' must list 100 class names. "
-                             + CIFAR_HELP.format(root=root))
-        self.classes = names
-        self.class_to_idx = {c: i for i, c in enumerate(names)}
+
+def cifar100_files() -> type:
+    "The `CIFAR100Files` class in use (a test may replace the module's attribute)."
+    return globals().get('CIFAR100Files') or __getattr__('CIFAR100Files')
 
 # %% ../../nbs/03a_data.ipynb #ed069fb3
 def cifar100_transforms(img_size: int = 32, augment: bool = True) -> tuple[ImageTransform, ImageTransform]:
@@ -301,8 +317,9 @@ def cifar100_splits(root: str | Path, img_size: int = 32, augment: bool = True, 
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1) (0.1: the paper's 45k/5k split; 0: train on all 50k, no validation), got {val_fraction!r}")
     root = Path(root).expanduser()
-    train_files = CIFAR100Files(root, train=True, download=download)
-    test_files = CIFAR100Files(root, train=False)
+    files = cifar100_files()
+    train_files = files(root, train=True, download=download)
+    test_files = files(root, train=False)
     images = torch.from_numpy(np.ascontiguousarray(train_files.data.transpose(0, 3, 1, 2)))
     labels = torch.tensor(train_files.targets)
     val, train = stratified_split(labels, [round(val_fraction * len(labels))], seed=seed)

@@ -8,13 +8,13 @@ __all__ = []
 # %% ../../nbs/11_testing.ipynb #589471d9
 from ..engine.check import autograd_grads, grad_errors, model_grads
 from .oracles import (HOST_READ_OPS, host_reads, per_row_grads, realised_distortion, roundoff_tol,
-                                     selector_disagreement, traced_ops)
+                                     selector_disagreement, sequence_grads, traced_ops)
 from .models import (digits_tensors, image_batch, tiny_cnn, tiny_mlp, trained_digits_cnn,
                                     trained_digits_mlp)
 from .files import SYNTHETIC_ARMS, synthetic_run, write_fake_cifar100, write_synthetic_results
 
 # %% ../../nbs/11_testing.ipynb #04fee61e
 __all__ = ['HOST_READ_OPS', 'autograd_grads', 'grad_errors', 'host_reads', 'model_grads', 'per_row_grads', 'realised_distortion',
-           'roundoff_tol', 'selector_disagreement', 'traced_ops', 'digits_tensors', 'image_batch', 'tiny_cnn',
+           'roundoff_tol', 'selector_disagreement', 'sequence_grads', 'traced_ops', 'digits_tensors', 'image_batch', 'tiny_cnn',
            'tiny_mlp', 'trained_digits_cnn', 'trained_digits_mlp', 'SYNTHETIC_ARMS', 'synthetic_run',
            'write_fake_cifar100', 'write_synthetic_results']

@@ -5,16 +5,21 @@
 # %% ../../nbs/11c_testing_oracles.ipynb #23761a64
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..selector import Selection, select_reference
+from ..sequence import IGNORE_INDEX
+from ..engine.check import call_model, model_grads
 
 # %% auto #0
 __all__ = ['HOST_READ_OPS', 'per_row_grads', 'realised_distortion', 'roundoff_tol', 'selector_disagreement', 'traced_ops',
-           'host_reads']
+           'host_reads', 'sequence_grads']
 
 # %% ../../nbs/11c_testing_oracles.ipynb #c2869ec2
 def per_row_grads(R: Tensor, H: Tensor, weights: Tensor | None = None, bias: bool = True) -> Tensor:
@@ -77,3 +82,16 @@ def traced_ops(fn, *args) -> list[str]:
 def host_reads(ops: list[str]) -> list[str]:
     "The ops of `ops` that read a device value back to the host."
     return [op for op in ops if op.split('.')[:2][-1] in HOST_READ_OPS]
+
+# %% ../../nbs/11c_testing_oracles.ipynb #7c148db5
+def sequence_grads(model: nn.Module, inputs: dict, labels: Tensor, weights: Tensor | None = None,
+                   denominator: float | None = None, ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
+    "Plain autograd on a float64 copy of `model(**inputs)`: the gradients of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over labelled tokens (N: the labelled tokens of `labels` [B, L], or `denominator`), by parameter name."
+    ref = copy.deepcopy(model).double()
+    ref.zero_grad(set_to_none=True)
+    z = call_model(ref, inputs)
+    tok = F.cross_entropy(z.flatten(0, 1), labels.flatten(), reduction='none', ignore_index=ignore_index).view(labels.shape)
+    w = tok.new_ones(len(labels)) if weights is None else weights.detach().to(tok.device, torch.float64)
+    n = (labels != ignore_index).sum().clamp_min(1) if denominator is None else denominator
+    ((tok.sum(1) * w).sum() / n).backward()
+    return model_grads(ref)
