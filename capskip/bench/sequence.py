@@ -124,7 +124,8 @@ def record_sequence(path: str | os.PathLike, rows: list[SequenceBenchRow], comma
     rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
            'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
            'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
-           'settings': settings, 'rows': [r._asdict() for r in rows], 'steps': steps or []}
+           'settings': {k: v for k, v in settings.items() if k != 'record'},   # not the output path: it names this machine's folders
+           'rows': [r._asdict() for r in rows], 'steps': steps or []}
     tmp = f'{path}.tmp'
     with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
     os.replace(tmp, path)
