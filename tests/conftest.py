@@ -9,11 +9,27 @@ import os
 # wall-clock with two threads and 9-16 s with one. Set before torch is imported; subprocesses the tests start inherit it.
 for _name in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_name, '1')
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile('ci', derandomize=True, print_blob=True)
 if os.environ.get('CI'):
     settings.load_profile('ci')
+
+
+@pytest.fixture
+def compile_backend(monkeypatch):
+    """`compile_backend('aot_eager')`: for this test, a `torch.compile` call that names no backend (capskip's own) uses this
+    one. Inductor's C++ codegen costs ~25-30 s a case on a fresh 2-core machine (cold cache); `aot_eager` keeps the same
+    dynamo capture and AOT graphs, so each test file runs inductor in one case only."""
+    def use(backend: str) -> None:
+        import torch
+        real = torch.compile
+        def compile(fn=None, **kw):
+            kw.setdefault('backend', backend)
+            return real(fn, **kw)
+        monkeypatch.setattr(torch, 'compile', compile)
+    return use
 
 
 def _notebook_items(session) -> list:

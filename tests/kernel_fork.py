@@ -3,7 +3,10 @@
 Run All starts a fresh kernel per notebook; importing torch there costs about 4 s of CPU, on a 2-core machine, 92 times.
 Here a *zygote* process imports torch and NumPy once; each kernel is a fork of it, so it starts with those
 modules loaded and nothing else run: no cell, no tensor op, no thread. What a notebook sees is what a fresh kernel gives
-(torch's default generator has the same fixed seed in both; Python's `random` is re-seeded at fork by Python itself).
+(torch's default generator has the same fixed seed in both; Python's `random` is re-seeded at fork by Python itself),
+but for two things shared by every fork: the string-hash seed and NumPy's global generator's seed, which a fresh kernel
+draws anew (a notebook must depend on neither: sets are not printed unsorted, randomness goes through seeded
+generators). Linux only: on macOS forking a process that has loaded torch's frameworks is not safe.
 
 jupyter_client starts `python kernel_fork.py launch -f {connection_file}` (the kernel spec `capskip-fork`): this small
 launcher hands the zygote its arguments, folder, environment and standard streams, and stays alive as the process that
@@ -153,6 +156,7 @@ def launch(argv: list[str]) -> None:
 def start_zygote(env: dict, timeout: float = 120) -> tuple[subprocess.Popen, str, str] | None:
     """Start a zygote with the kernels' environment `env` (torch reads its thread count at import); returns (process,
     socket path, folder holding the `capskip-fork` kernel spec for JUPYTER_PATH), or None if it did not come up."""
+    if not sys.platform.startswith('linux'): return None
     folder = tempfile.mkdtemp(prefix='capskip-kernels-')
     path = os.path.join(folder, 'zygote.sock')
     spec = Path(folder) / 'kernels' / KERNEL_NAME

@@ -48,13 +48,8 @@ def batch_of(name):
 
 @pytest.mark.parametrize('name,form', [('tiny_gpt', 'compile=True'), ('gpt2', 'torch.compile'),   # both forms: seconds
                                        ('llama', 'torch.compile'), ('qwen2', 'torch.compile')])
-def test_compiled_lm_step_is_exact_for_the_kept_sequences(name, form, monkeypatch):
-    if form == 'torch.compile':     # capskip's own compile through `aot_eager` here (same dynamo and AOT graphs): inductor's
-        compile_ = torch.compile    # C++ codegen is tested once, by the tiny_gpt case (cold cache: ~30 s a case on 2 cores)
-        def compile(fn=None, **kw):
-            kw.setdefault('backend', 'aot_eager')
-            return compile_(fn, **kw)
-        monkeypatch.setattr(torch, 'compile', compile)
+def test_compiled_lm_step_is_exact_for_the_kept_sequences(name, form, monkeypatch, compile_backend):
+    if form == 'torch.compile': compile_backend('aot_eager')   # inductor is tested once here, by the tiny_gpt case
     torch._dynamo.reset()
     model, (inputs, y) = model_of(name), batch_of(name)
     seen, real = [], reuse._bw_args

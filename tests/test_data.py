@@ -331,3 +331,12 @@ def test_image_rows_validates_inputs():
     t = ImageTransform(size=4, mean=(0.,), std=(1.,))
     assert torch.equal(t(torch.full((2, 1, 4, 4), 255, dtype=torch.uint8)), torch.ones(2, 1, 4, 4))
     with pytest.raises(ValueError, match='generators'): ImageTransform(4, (0.,), (1.,), flip=True)(torch.zeros(2, 1, 4, 4), [torch.Generator()])
+
+
+def test_importing_the_run_modules_does_not_import_torchvision():
+    "torchvision loads torch._dynamo (~2 s a process): `CIFAR100Files` subclasses it on first access only (PEP 562)."
+    import subprocess, sys
+    code = ('import sys, capskip.runs.train, capskip.testing; before = "torchvision" in sys.modules; '
+            'import capskip.runs.data as d; d.CIFAR100Files; print(before, "torchvision" in sys.modules)')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ['False', 'True'], out          # the control: asking for the class does import it

@@ -12,12 +12,8 @@ from capskip.testing.models import image_batch, tiny_cnn
 # 25 s per case on the 2-core VM.
 @pytest.mark.parametrize('mode,layout,backend', [('dense', 'nchw', 'aot_eager'), ('reforward', 'nchw', 'aot_eager'),
                                                  ('reuse', 'nchw', 'inductor'), ('reuse', 'channels_last', 'aot_eager')])
-def test_compiled_modes_match_autograd(mode, layout, backend, monkeypatch):
-    real = torch.compile
-    def compile(fn=None, **kw):                # capskip's own torch.compile calls name no backend: pick this case's
-        kw.setdefault('backend', backend)
-        return real(fn, **kw)
-    monkeypatch.setattr(torch, 'compile', compile)
+def test_compiled_modes_match_autograd(mode, layout, backend, compile_backend):
+    compile_backend(backend)                   # capskip's own torch.compile calls name no backend: this case's
     torch._dynamo.reset()
     model = tiny_cnn(num_classes=5, seed=0)
     x, y = image_batch(B=8, num_classes=5, seed=0)
