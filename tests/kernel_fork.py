@@ -27,7 +27,7 @@ from pathlib import Path
 
 SOCKET_ENV = 'CAPSKIP_KERNEL_ZYGOTE'
 KERNEL_NAME = 'capskip-fork'
-PRELOAD = ('torch', 'numpy')   # not ipykernel: its traitlets read the environment (JPY_PARENT_PID) when imported
+PRELOAD = ('torch', 'numpy', 'torch._dynamo', 'timm')   # not ipykernel: its traitlets read the environment (JPY_PARENT_PID) when imported
 
 
 def _send(conn: socket.socket, obj) -> None:

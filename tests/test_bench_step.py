@@ -106,7 +106,7 @@ def test_gather_sources_are_what_the_backward_gathers_once_each():
     from capskip.engine.reuse import gather_sources, saved_bytes
     from capskip.runs.models import create_model
     torch.manual_seed(0)
-    model = create_model('vit_tiny', num_classes=10, img_size=16).train()
+    model = create_model('vit_tiny', num_classes=10, img_size=16, depth=2).train()   # two blocks: the same gathers per block
     x = torch.randn(8, 3, 16, 16)
     fwd = Engine(model, 'reuse').forward(x)
     sources = gather_sources(fwd.state)

@@ -146,7 +146,8 @@ def execute(rel: str, env: dict | None = None) -> dict:
         probe.write_text(PRECISION_PROBE)
         start = f"__import__('runpy').run_path({str(probe)!r}, init_globals={{'RECORD': {str(record)!r}}})"
         client = NotebookClient(nb, timeout=600, kernel_name=kernel, resources={'metadata': {'path': str(path.parent)}},
-                                extra_arguments=[f'--IPKernelApp.exec_lines={start}'])
+                                extra_arguments=[f'--IPKernelApp.exec_lines={start}',
+                                                 '--IPKernelApp.log_level=ERROR'])   # not its TCP-transport warning in pytest's output
         client.execute(env=env)
         nb.metadata['trained'] = {str(i): sorted(d) for i, d in trained_cells(nb, str(record)).items()}
     return nb

@@ -14,7 +14,8 @@ from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .types import Forward
 
 # %% auto #0
-__all__ = ['compiled_forward', 'mark_rows_dynamic', 'Executor', 'autocast_state', 'Dense', 'Masked', 'Reforward']
+__all__ = ['compiled_forward', 'mark_rows_dynamic', 'Executor', 'autocast_state', 'rng_states', 'set_rng_states', 'Dense',
+           'Masked', 'Reforward']
 
 # %% ../../nbs/01d_executors.ipynb #3847e4b0
 def _forward_entry(model, box, x):
@@ -74,6 +75,15 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     "Whether autocast is on for `device_type`, and its dtype (replayed by reforward's second forward)."
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
+def rng_states(devices: list) -> list:
+    "The CPU RNG state and that of each CUDA device in `devices`."
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+def set_rng_states(states: list, devices: list) -> None:
+    "Restore what `rng_states(devices)` returned."
+    torch.set_rng_state(states[0])
+    for s, d in zip(states[1:], devices): torch.cuda.set_rng_state(s, d)
+
 
 # %% ../../nbs/01d_executors.ipynb #aa6be2f1
 class Dense(Executor):
@@ -91,31 +101,40 @@ class Masked(Dense):
 
 # %% ../../nbs/01d_executors.ipynb #709cda0b
 class Reforward(Executor):
-    "Forward every row without autograd; the backward re-runs the forward of the kept rows only, with autograd."
+    "Forward every row without autograd; the backward re-runs the forward of the kept rows only, with autograd (every row, from the same RNG state, when the forward drew random numbers)."
     mode = 'reforward'
     skips = True
 
     def run_forward(self, x: torch.Tensor) -> Forward:
         with cleared_caches(self.model):
             self.probe.check(x)
+            devices = [x.device] if x.device.type == 'cuda' else []
+            start = rng_states(devices)
             with torch.no_grad():
                 logits, feats = self.run_model(x)
-        return Forward(logits, feats, self.mode, state=(x, autocast_state(x.device.type)))
+        drew = any(not torch.equal(a, b) for a, b in zip(start, rng_states(devices)))
+        return Forward(logits, feats, self.mode, state=(x, autocast_state(x.device.type), start if drew else None))
 
     def param_grads(self, mode: str, state, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
         "Gradients of `params` from a second forward of the kept rows (on detached stand-ins: hooks fire once, in autograd)."
         from torch.nn.utils.stateless import _reparametrize_module
-        x, (amp_on, amp_dtype) = state
-        rows = kept_indices(keep, kept)
-        xk = x.index_select(0, rows)
+        x, (amp_on, amp_dtype), start = state
+        if start is None:                                # deterministic forward: the kept rows only
+            rows = kept_indices(keep, kept)
+            xk, tangent = x.index_select(0, rows), grad_logits.index_select(0, rows)
+        else:                                            # random masks (dropout) depend on the batch: every row, same RNG
+            xk = x
+            tangent = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}
         held = stored_tensors(self.model)                # what a forward reads but does not store anew may be a cache
+        devices = [x.device] if x.device.type == 'cuda' else []
         with torch.enable_grad(), torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_on), \
-             _reparametrize_module(self.model, stand_ins, tie_weights=True), cleared_caches(self.model):
+             _reparametrize_module(self.model, stand_ins, tie_weights=True), cleared_caches(self.model), \
+             torch.random.fork_rng(devices=devices, enabled=start is not None):
+            if start is not None: set_rng_states(start, devices)   # the first forward's masks again
             logits, _ = self.run_model(xk)
-        grads = torch.autograd.grad(logits, list(stand_ins.values()), grad_logits.index_select(0, rows).to(logits.dtype),
-                                    allow_unused=True)
+        grads = torch.autograd.grad(logits, list(stand_ins.values()), tangent.to(logits.dtype), allow_unused=True)
         missing = [n for (n, _), g in zip(params, grads) if g is None]
         if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         return list(grads)
