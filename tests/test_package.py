@@ -137,7 +137,7 @@ def test_no_module_imports_its_own_package_init():
     assert not bad, bad
 
 
-LAYERS = ['capskip._modidx', 'capskip.registry', 'capskip.checks', 'capskip.core', 'capskip.selector', 'capskip.sequence',
+LAYERS = ['capskip._modidx', 'capskip.registry', 'capskip.checks', 'capskip.core', 'capskip.selector', 'capskip.sequence', 'capskip.sequence_bounds',
           'capskip.engine', 'capskip.reweight', 'capskip.steps', 'capskip.skip',
           'capskip.policies', 'capskip.runs', 'capskip.integrations', 'capskip.analysis', 'capskip.bench', 'capskip.testing', 'capskip._docs',
           'capskip.cli', 'capskip.__main__']

@@ -1,0 +1,78 @@
+"""The certified top-k Gram (`capskip.sequence_bounds`): bounds against a float64 brute force, the rule's guarantee on
+the exact blocks, exactness at k ≥ V, the fp32 path at a wide vocabulary."""
+import pytest
+import torch
+
+from capskip.sequence import block_gram, row_grads_reference, select_sequences
+from capskip.sequence_bounds import (parse_gram, select_from_bounds, select_sequences_topk, select_sequences_with,
+                                     topk_gram_bounds)
+
+
+def batch(seed, B=5, L=6, V=23, d=4, scale=3.0, dtype=torch.float64, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, L, V, generator=g, dtype=torch.float64) * scale
+    if ties: z = z.round()
+    y = torch.randint(0, V, (B, L), generator=g)
+    y[torch.rand(B, L, generator=g) < 0.25] = -100
+    h = torch.randn(B, L, d, generator=g, dtype=torch.float64) + 1.0
+    return z.to(dtype), y, h.to(dtype)
+
+
+def exact_gram(z, y, h, bias):
+    G = row_grads_reference(z, y, h, bias)
+    return G, torch.einsum('ivd,jvd->ij', G, G)
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_bounds_bracket_the_float64_gram_and_meet_at_k_equal_v(seed):
+    z, y, h = batch(seed, ties=seed % 2 == 0)
+    bias = seed % 3 != 0
+    _, K = exact_gram(z, y, h, bias)
+    tol = 1e-12 * K.abs().max()
+    widths = []
+    for k in (1, 4, 22, 23, 40):
+        lo, up = topk_gram_bounds(z, y, h, bias, k=k)
+        assert bool((lo <= K + tol).all()) and bool((K <= up + tol).all()), k
+        widths.append(float((up - lo).abs().sum()))
+        if k >= 23: assert float((up - lo).abs().max()) <= tol and float((lo - K).abs().max()) <= tol
+    assert widths[0] > 1e-6 * float(K.abs().sum()) and widths[0] >= widths[1] >= widths[2]   # the control: k = 1 is loose
+
+
+def test_the_rule_on_bounds_meets_the_budget_on_the_exact_blocks_and_is_exact_at_k_equal_v():
+    checked = dropped = 0
+    for seed in range(20):
+        z, y, h = batch(100 + seed, B=7, scale=0.5 + seed % 4)
+        G, _ = exact_gram(z, y, h, True)
+        w = torch.rand(7, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 if seed % 2 else None
+        Gw = G * (1.0 if w is None else w[:, None, None])
+        for budget in (0.1, 0.4):
+            exact = select_sequences(z, y, h, budget, weights=w, eps=0.0, method='block')
+            for k in (2, 8, 23):
+                sel = select_sequences_topk(z, y, h, budget, weights=w, eps=0.0, k=k)
+                realised = float(Gw[sel.drop].sum(0).norm() / Gw.sum(0).norm())
+                assert realised <= budget * (1 + 1e-9) and float(sel.distortion) >= realised - 1e-6
+                if k == 23: assert sel.drop.tolist() == exact.drop.tolist()
+                checked, dropped = checked + 1, dropped + int(sel.m)
+    assert checked == 120 and dropped > 0
+
+
+def test_float32_bounds_at_a_wide_vocabulary_hold_to_round_off():
+    "fp32 logits over V = 4000 (the chunked path: several row chunks): the bounds bracket the float64 block Gram."
+    z, y, h = batch(7, B=3, L=40, V=4000, d=16, scale=2.0, dtype=torch.float32)
+    K = block_gram(z.double(), y, h.double())
+    lo, up = topk_gram_bounds(z, y, h, k=16)
+    tol = 1e-5 * float(K.abs().max())
+    assert bool((lo <= K + tol).all()) and bool((K <= up + tol).all())
+    assert lo.dtype == torch.float64
+
+
+def test_head_gradient_of_the_kept_rows_and_the_gram_names():
+    z, y, h = batch(3, B=6)
+    G, _ = exact_gram(z, y, h, True)
+    sel, g = select_sequences_with('topk:4', z, y, h, 0.4, return_grad=True)
+    torch.testing.assert_close(g, G[~sel.drop].sum(0), rtol=1e-12, atol=1e-14)
+    assert parse_gram('topk') == ('topk', 16) and parse_gram('auto') == ('auto', 0)
+    for bad in ('topk:0', 'top', 3, 'exact'):
+        with pytest.raises(ValueError, match="gram must be 'auto', 'token', 'block'"): parse_gram(bad)
+    with pytest.raises(ValueError, match='correct must be a bool tensor'):
+        select_from_bounds(topk_gram_bounds(z, y, h), torch.ones(5, dtype=torch.bool))
