@@ -19,8 +19,8 @@ from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sort
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs', 'residual_chunks',
            'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method',
-           'sequence_gram', 'select_from_gram', 'select_blocks_reference', 'token_correct', 'candidate_rule',
-           'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
+           'sequence_gram', 'check_rule_inputs', 'select_from_gram', 'select_blocks_reference', 'token_correct',
+           'candidate_rule', 'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
@@ -214,6 +214,16 @@ def _gram_in_order(Kw: Tensor):
         return Kw.to(Rs.dtype)[order][:, order]
     return gram
 
+def check_rule_inputs(B: int, correct: Tensor, budget, weights: Tensor | None) -> None:
+    "The rule's inputs for B rows: a bool [B] candidate mask, a finite budget ≥ 0, detached [B] weights; one line per problem."
+    if not isinstance(correct, Tensor) or correct.dtype != torch.bool or correct.shape != (B,):
+        raise ValueError(f'correct must be a bool tensor [B] with B = {B} (the candidate rows), got '
+                         f'{getattr(correct, "dtype", type(correct).__name__)} of shape {tuple(getattr(correct, "shape", ()))}')
+    if not isinstance(budget, Tensor) and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
+        raise ValueError(f'budget must be a finite number ≥ 0 (e.g. 0.09), got {budget!r}')
+    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (B,) or weights.requires_grad):
+        raise ValueError(f'weights must be a detached tensor [B] with B = {B}, got {getattr(weights, "shape", type(weights).__name__)}')
+
 def select_from_gram(gram: Tensor,      # [B, B] K_ij = ⟨G_i, G_j⟩_F (unweighted), e.g. from `sequence_gram`
                      correct: Tensor,   # bool [B], the candidate rows
                      budget: float = DEFAULT_BUDGET,  # b: the dropped part is at most b·‖G‖
@@ -223,13 +233,7 @@ def select_from_gram(gram: Tensor,      # [B, B] K_ij = ⟨G_i, G_j⟩_F (unweig
     if not isinstance(gram, Tensor) or gram.ndim != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] < 1:
         raise ValueError(f'gram must be a square [B, B] tensor with B ≥ 1 (from sequence_gram), got {tuple(getattr(gram, "shape", ()))}')
     B = gram.shape[0]
-    if not isinstance(correct, Tensor) or correct.dtype != torch.bool or correct.shape != (B,):
-        raise ValueError(f'correct must be a bool tensor [B] with B = {B} (the candidate rows), got '
-                         f'{getattr(correct, "dtype", type(correct).__name__)} of shape {tuple(getattr(correct, "shape", ()))}')
-    if not isinstance(budget, Tensor) and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
-        raise ValueError(f'budget must be a finite number ≥ 0 (e.g. 0.09), got {budget!r}')
-    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (B,) or weights.requires_grad):
-        raise ValueError(f'weights must be a detached tensor [B] with B = {B}, got {getattr(weights, "shape", type(weights).__name__)}')
+    check_rule_inputs(B, correct, budget, weights)
     K = gram.detach().to(gram_dtype(gram.device))
     Kw = K if weights is None else K * (weights.to(K.dtype)[:, None] * weights.to(K.dtype)[None, :])
     norms = K.diagonal().clamp_min(0).sqrt().to(torch.float32)[:, None]    # ‖G_i‖ as a [B, 1] "residual"

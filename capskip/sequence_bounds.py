@@ -14,8 +14,8 @@ from torch import Tensor
 
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
-from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_sequence_inputs, kept_grad, select_sequences,
-                              sequence_candidates)
+from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
+                              select_sequences, sequence_candidates)
 
 # %% auto #0
 __all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'GramBounds', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
@@ -120,13 +120,7 @@ def select_from_bounds(bounds: GramBounds, correct: Tensor, budget: float = DEFA
     "The rule on Gram bounds: prefixes from the upper Gram, ‖G‖² from the lower, so every accepted ‖D‖ ≤ b‖G‖ (`distortion` is that bound)."
     lo, up = bounds
     B = up.shape[0]
-    if not isinstance(correct, Tensor) or correct.dtype != torch.bool or correct.shape != (B,):
-        raise ValueError(f'correct must be a bool tensor [B] with B = {B} (the candidate rows), got '
-                         f'{getattr(correct, "dtype", type(correct).__name__)} of shape {tuple(getattr(correct, "shape", ()))}')
-    if not isinstance(budget, Tensor) and not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
-        raise ValueError(f'budget must be a finite number ≥ 0 (e.g. 0.09), got {budget!r}')
-    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != (B,) or weights.requires_grad):
-        raise ValueError(f'weights must be a detached tensor [B] with B = {B}, got {getattr(weights, "shape", type(weights).__name__)}')
+    check_rule_inputs(B, correct, budget, weights)
     acc = gram_dtype(up.device)
     w = torch.ones(B, dtype=acc, device=up.device) if weights is None else weights.to(acc)
     ww = w[:, None] * w[None, :]
