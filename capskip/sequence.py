@@ -17,10 +17,11 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs', 'residual_chunks',
-           'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method',
-           'sequence_gram', 'check_rule_inputs', 'select_from_gram', 'select_blocks_reference', 'token_correct',
-           'candidate_rule', 'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
+__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs', 'exp_floor',
+           'residual_chunks', 'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs',
+           'pick_method', 'sequence_gram', 'gram_in_order', 'check_rule_inputs', 'select_from_gram',
+           'select_blocks_reference', 'token_correct', 'candidate_rule', 'sequence_candidates', 'select_sequences',
+           'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
@@ -59,6 +60,10 @@ def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: 
         if weights is not None and not bool((weights >= 0).all()): raise ValueError('weights must be ≥ 0 (per-sequence loss weights)')
 
 # %% ../nbs/00d_sequence.ipynb #33a9357f
+def exp_floor(dt: torch.dtype) -> float:
+    "The exponent every `exp` of a softmax here is clamped at: ln(tiny) + 1 of `dt`, so exp never returns a subnormal (a slow path on CPUs)."
+    return math.log(torch.finfo(dt).tiny) + 1.0
+
 def _compute_dtype(logits: Tensor) -> torch.dtype:
     "float64 inputs stay float64; fp32/bf16/fp16 are computed in fp32."
     return torch.promote_types(logits.dtype, torch.float32)
@@ -67,6 +72,7 @@ def _prepare(logits, labels, features, bias, ignore_index, denominator):
     "Flat logits, clamped labels, per-token log-sum-exp and Σ_{v≠y} p_v, masked h̃ [B·L, d̃], the 1/N scale, the compute dtype."
     B, L, V = logits.shape
     dt = _compute_dtype(logits)
+    floor = exp_floor(dt)
     z, y = logits.detach().reshape(B * L, V), labels.reshape(B * L)
     mask = y != ignore_index
     yc = torch.where(mask, y, torch.zeros_like(y)).long()
@@ -75,7 +81,7 @@ def _prepare(logits, labels, features, bias, ignore_index, denominator):
     for i in range(0, B * L, step):
         zi = z[i:i + step].to(dt)
         top = zi.amax(-1, keepdim=True)
-        e = (zi - top).exp_()                             # one pass: exp(z − max)
+        e = (zi - top).clamp_(min=floor).exp_()           # one pass: exp(z − max), never subnormal
         s = e.sum(-1)
         lse.append(top.squeeze(-1) + s.log())
         off.append(e.scatter_(1, yc[i:i + step, None], 0.0).sum(-1) / s)   # Σ_{v≠y} p_v, without 1 − p_y
@@ -89,10 +95,10 @@ def _prepare(logits, labels, features, bias, ignore_index, denominator):
 
 def residual_chunks(z: Tensor, yc: Tensor, lse: Tensor, off: Tensor, dt: torch.dtype, chunk: int = VOCAB_CHUNK):
     "Yield (v0, r[:, v0:v1]) with r_t = softmax(z_t) − e_{y_t} for flat [T, V] logits; the label entry is −Σ_{v≠y} p_v (`off`)."
-    V = z.shape[1]
+    V, floor = z.shape[1], exp_floor(dt)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        R = (z[:, v0:v1].to(dt) - lse[:, None]).exp_()
+        R = (z[:, v0:v1].to(dt) - lse[:, None]).clamp_(min=floor).exp_()
         inside = (yc >= v0) & (yc < v1)
         local = (yc - v0).clamp(0, v1 - v0 - 1)[:, None]
         R.scatter_(1, local, torch.where(inside, -off, R.gather(1, local).squeeze(1))[:, None])
@@ -207,7 +213,7 @@ def sequence_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool =
     return GRAM_METHODS[method](logits, labels, features, bias, ignore_index, denominator, chunk, check_values=check_values)
 
 # %% ../nbs/00d_sequence.ipynb #9a7cad13
-def _gram_in_order(Kw: Tensor):
+def gram_in_order(Kw: Tensor):
     "A `sorted_prefixes` gram callable: the identity features arrive permuted to the sort order, so it returns Kw sorted."
     def gram(Rs: Tensor, Hs: Tensor, bias: bool) -> Tensor:
         order = Hs.argmax(1)                              # row k of the permuted identity is e_{order[k]}
@@ -238,7 +244,7 @@ def select_from_gram(gram: Tensor,      # [B, B] K_ij = ⟨G_i, G_j⟩_F (unweig
     Kw = K if weights is None else K * (weights.to(K.dtype)[:, None] * weights.to(K.dtype)[None, :])
     norms = K.diagonal().clamp_min(0).sqrt().to(torch.float32)[:, None]    # ‖G_i‖ as a [B, 1] "residual"
     eye = torch.eye(B, dtype=torch.float32, device=gram.device)           # ‖e_i‖ = 1: row_norms = ‖G_i‖
-    p = sorted_prefixes(norms, eye, correct, weights, bias=False, gram=_gram_in_order(Kw))
+    p = sorted_prefixes(norms, eye, correct, weights, bias=False, gram=gram_in_order(Kw))
     thr = threshold_sq(p, budget, eps)
     return finish_selection(p, full_scan_m(p, thr), thr)
 

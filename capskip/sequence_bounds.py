@@ -15,7 +15,7 @@ from torch import Tensor
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
-                              select_sequences, sequence_candidates)
+                              exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
 __all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'GramBounds', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
@@ -40,6 +40,7 @@ def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
     tail = torch.empty(T, dtype=dt, device=z.device)
     step = max(1, (1 << 22) // V)
     buf = torch.empty(min(step, T), V, dtype=dt, device=z.device)   # one reused chunk: no [T, V] temporary
+    floor = exp_floor(dt)
     for i in range(0, T, step):
         n = min(step, T - i)
         zc, e = z[i:i + n], buf[:n]
@@ -47,11 +48,12 @@ def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
         top = top.to(dt)
         if kk < V: theta[i:i + n] = top[:, kk]
         top, ix, th = top[:, :kk], ix[:, :kk], theta[i:i + n, None]
-        torch.sub(zc, top[:, :1], out=e).exp_()                      # exp(z − max): one pass gives both sums
-        s1 = e.sum(1)
-        tail[i:i + n] = e.masked_fill_(zc > th, 0.0).square_().sum(1) / (s1 * s1)   # Σ_{v ∉ S} p_v²: no cancellation
+        torch.sub(zc, top[:, :1], out=e).clamp_(min=floor).exp_()   # exp(z − max), never subnormal: one pass gives both sums
+        s1, inS = e.sum(1), top > th                                  # S_t: the top entries above θ_t
+        e.scatter_(1, ix, e.gather(1, ix).masked_fill_(inS, 0.0))     # S_t's entries out: the tail is left
+        tail[i:i + n] = e.square_().sum(1) / (s1 * s1)                # Σ_{v ∉ S} p_v²: no cancellation
         lse[i:i + n] = top[:, 0] + s1.log()
-        vals[i:i + n] = torch.where(top > th, (top - lse[i:i + n, None]).exp(), torch.zeros_like(top))
+        vals[i:i + n] = torch.where(inS, (top - lse[i:i + n, None]).exp(), torch.zeros_like(top))
         idx[i:i + n] = ix
     return TopSplit(lse, vals, idx, theta, tail)
 
@@ -71,7 +73,7 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     y = labels.reshape(T)
     mask = y != ignore_index
     yc = torch.where(mask, y, torch.zeros_like(y)).long()
-    zf = logits.detach().reshape(T, V)
+    zf, floor = logits.detach().reshape(T, V), exp_floor(dt)
     sp = top_split(zf, k, dt)
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
@@ -84,13 +86,13 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
         zs, ls = zf[s0:s1], sp.lse[s0:s1, None]
-        Gz = zs.index_select(1, cols).to(dt).view(s1 - s0, T, kk)   # z_s[v] at every v of every S_t
-        inside = Gz > sp.theta[s0:s1, None, None]                   # v ∈ S_s
-        G = Gz.sub_(ls[:, :, None]).exp_()                           # p_s[v]
+        Gz = zs.gather(1, cols[None].expand(s1 - s0, -1)).to(dt).view(s1 - s0, T, kk)   # z_s[v] at every v of every S_t
+        outside = Gz <= sp.theta[s0:s1, None, None]                 # v ∉ S_s
+        G = Gz.sub_(ls[:, :, None]).clamp_(min=floor).exp_()        # p_s[v]
         A = torch.bmm(G.transpose(0, 1), sp.values[:, :, None]).squeeze(2).T               # ⟨S_t, p_s⟩ as [s, t]
-        C = torch.bmm(G.mul_(inside).transpose(0, 1), sp.values[:, :, None]).squeeze(2).T  # ⟨S_t, S_s⟩
+        C = torch.bmm(G.masked_fill_(outside, 0.0).transpose(0, 1), sp.values[:, :, None]).squeeze(2).T  # ⟨S_t, S_s⟩
         g = h[s0:s1] @ h.T                                           # ⟨h̃_s, h̃_t⟩
-        N = (A - (zs[:, yc].to(dt) - ls).exp_()).mul_(g)             # (⟨S_t, p_s⟩ − p_s[y_t]) g
+        N = (A - (zs.index_select(1, yc).to(dt) - ls).clamp_(min=floor).exp_()).mul_(g)   # (⟨S_t, p_s⟩ − p_s[y_t]) g
         Sym = ((yc[s0:s1, None] == yc[None, :]).to(dt) - C).mul_(g)  # ([y_s = y_t] − ⟨S_s, S_t⟩) g
         Eg = tail[s0:s1, None] * tail[None, :] * g                   # e_st g: 0 ≤ ⟨T_s, T_t⟩ ≤ e_st
         per_row = lambda X: X.to(acc).view(s1 - s0, B, L).sum(2)     # [s-chunk, B]: summed over t ∈ i
@@ -108,13 +110,6 @@ def topk_gram_costs(B: int, L: int, V: int, d: int, k: int = TOPK, bias: bool = 
     return T * V + T * T * (2 * min(k, V) + d + (1 if bias else 0))
 
 # %% ../nbs/00e_sequence_bounds.ipynb #bf1bb151
-def _bound_in_order(Kw: Tensor):
-    "A `sorted_prefixes` gram callable returning Kw in the sort order (the identity features arrive permuted)."
-    def gram(Rs: Tensor, Hs: Tensor, bias: bool) -> Tensor:
-        order = Hs.argmax(1)
-        return Kw.to(Rs.dtype)[order][:, order]
-    return gram
-
 def select_from_bounds(bounds: GramBounds, correct: Tensor, budget: float = DEFAULT_BUDGET,
                        weights: Tensor | None = None, eps: float = SELECTOR_EPS) -> Selection:
     "The rule on Gram bounds: prefixes from the upper Gram, ‖G‖² from the lower, so every accepted ‖D‖ ≤ b‖G‖ (`distortion` is that bound)."
@@ -126,7 +121,7 @@ def select_from_bounds(bounds: GramBounds, correct: Tensor, budget: float = DEFA
     ww = w[:, None] * w[None, :]
     norms = up.diagonal().to(acc).clamp_min(0).sqrt().to(torch.float32)[:, None]   # ‖G_i‖ ≤ sqrt(upper_ii)
     eye = torch.eye(B, dtype=torch.float32, device=up.device)
-    p = sorted_prefixes(norms, eye, correct, weights, bias=False, gram=_bound_in_order(up.to(acc) * ww))
+    p = sorted_prefixes(norms, eye, correct, weights, bias=False, gram=gram_in_order(up.to(acc) * ww))
     p = p._replace(total_sq=(lo.to(acc) * ww).sum().clamp_min(0.0))   # ‖G‖² ≥ Σ_ij w_i w_j lower_ij
     thr = threshold_sq(p, budget, eps)
     return finish_selection(p, full_scan_m(p, thr), thr)

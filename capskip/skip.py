@@ -21,6 +21,7 @@ from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, de
                               rw_multipliers, rwp_multipliers)
 from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
+from .sequence_bounds import parse_gram
 from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, record,
                            run_step, sequence_loss, shifted_labels, step_loss)
 
@@ -43,10 +44,11 @@ class SkipOptions:
     label_smoothing: float = 0.0          # as F.cross_entropy's
     ignore_index: int = IGNORE_INDEX      # rows (tokens) with this label leave the loss
     candidates: str = DEFAULT_CANDIDATES  # sequence rows: 'all', 'all_correct' or 'token_acc:τ'
+    gram: str = 'auto'                    # sequence rows' Gram: exact 'auto'/'token'/'block', or certified 'topk[:K]'
 
     def __post_init__(self):
         check_capskip_options(self.budget, self.reweight, self.p, self.p_bar, self.p_min)
-        check_loss_options(self.temperature, self.label_smoothing, self.ignore_index, self.candidates)
+        check_loss_options(self.temperature, self.label_smoothing, self.ignore_index, self.candidates, self.gram)
         for name, cast in (('budget', float), ('weighted', bool), ('exclude_upweighted', bool), ('p', float),
                            ('p_bar', float), ('p_min', float), ('temperature', float), ('label_smoothing', float),
                            ('ignore_index', int)):
@@ -165,7 +167,7 @@ class CAPSkip:
             loss, stats = sequence_loss(logits, feats, y, weights, budget=o.budget, weighted=o.weighted,
                                         exclude_upweighted=o.exclude_upweighted, bias=self.engine.head.bias is not None,
                                         denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index,
-                                        candidates=o.candidates)
+                                        candidates=o.candidates, gram=o.gram)
         else:
             loss, stats = step_loss(self.engine, logits, feats, y, weights, self.decide, o.label_smoothing,
                                     denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index)
@@ -211,8 +213,9 @@ def check_capskip_options(budget: float, reweight: str | None, p: float, p_bar: 
     check_probability('p', p); check_probability('p_bar', p_bar); check_probability('p_min', p_min)
     if p_bar < p_min: raise ValueError(f'p_bar ({p_bar}) must be >= p_min ({p_min})')
 
-def check_loss_options(temperature: float, label_smoothing: float, ignore_index: int, candidates: str) -> None:
-    "Validate the loss's options (temperature, label smoothing, ignored label) and the sequence candidate rule."
+def check_loss_options(temperature: float, label_smoothing: float, ignore_index: int, candidates: str,
+                       gram: str = 'auto') -> None:
+    "Validate the loss's options (temperature, label smoothing, ignored label) and the sequence candidate rule and Gram."
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f'temperature must be a number > 0 (the loss is CE(logits / temperature)), got {temperature!r}')
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing <= 1:
@@ -221,4 +224,4 @@ def check_loss_options(temperature: float, label_smoothing: float, ignore_index:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f'ignore_index must be an int (the label of rows left out of the loss; -100 as F.cross_entropy), '
                          f'got {ignore_index!r}')
-    candidate_rule(candidates)
+    candidate_rule(candidates); parse_gram(gram)

@@ -17,7 +17,8 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, 
 from .engine import Engine
 from .engine.node import inject_grad
 from .selector import last_layer_grad
-from .sequence import DEFAULT_CANDIDATES, check_sequence_inputs, select_sequences, sequence_candidates, token_correct
+from .sequence import DEFAULT_CANDIDATES, check_sequence_inputs, sequence_candidates, token_correct
+from .sequence_bounds import select_sequences_with
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
@@ -178,8 +179,8 @@ def shifted_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
                   bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
-                  candidates: str = DEFAULT_CANDIDATES, head_grad: bool = False) -> tuple:
-    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics; `head_grad`: also that loss's gradient for the head's [W | c] ([V, d̃], from the selector's block pass)."
+                  candidates: str = DEFAULT_CANDIDATES, head_grad: bool = False, gram: str = 'auto') -> tuple:
+    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics; `gram`: the row Gram (`parse_gram`: exact 'auto'/'token'/'block', or certified 'topk[:K]' bounds); `head_grad`: also that loss's gradient for the head's [W | c] ([V, d̃], from the selector's block pass)."
     B, L, V = logits.shape
     if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be token ids [B, L] = [{B}, {L}] aligned with the logits [B, L, V] ({ignore_index} = '
@@ -198,7 +199,7 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
         den = torch.as_tensor(float(denominator), dtype=torch.float64, device=z.device).clamp_min(1.0)
     cand = sequence_candidates(z, y, candidates, ignore_index)
     if exclude_upweighted: cand = cand & (w <= 1)
-    sel = select_sequences(z.detach(), y, features, budget, cand, w if weighted else None, bias,
+    sel = select_sequences_with(gram, z.detach(), y, features, budget, cand, w if weighted else None, bias,
                            SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=False,
                            return_grad=head_grad, grad_weights=w)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature

@@ -138,3 +138,16 @@ def test_labels_of_another_shape_are_one_line():
     with pytest.raises(ValueError, match=r'labels must be token ids \[B, L\] = \[6, 8\]') as err:
         skip.loss(logits, batch['labels'][:, :5])
     assert '\n' not in str(err.value)
+
+
+@pytest.mark.parametrize('mode', ['masked', 'reuse'])
+def test_a_topk_gram_drops_sequences_and_the_kept_rows_gradient_is_exact(mode):
+    "CAPSkip(model, gram='topk:4') on GPT-2: the certified bounds drop rows, and the step is autograd's over the kept ones."
+    model, batch = lm('gpt2'), hf_batch()
+    skip = CAPSkip(model, budget=0.6, mode=mode, gram='topk:4')
+    _, _, got = step(skip, model, batch)
+    s = skip.last
+    assert skip.options.gram == 'topk:4' and 0 < int(s.kept) < B, s.drop
+    worst, glob = errors(got, reference(model, batch, s.applied))
+    assert worst <= 1e-5 and glob <= 1e-5, (mode, worst, glob)
+    assert errors(got, reference(model, batch, torch.ones(B)))[0] > 1e-3   # the control: the all-kept gradient differs

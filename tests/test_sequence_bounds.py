@@ -76,3 +76,24 @@ def test_head_gradient_of_the_kept_rows_and_the_gram_names():
         with pytest.raises(ValueError, match="gram must be 'auto', 'token', 'block'"): parse_gram(bad)
     with pytest.raises(ValueError, match='correct must be a bool tensor'):
         select_from_bounds(topk_gram_bounds(z, y, h), torch.ones(5, dtype=torch.bool))
+
+
+def test_sequence_loss_with_a_topk_gram_keeps_the_budget_and_options_check_the_name():
+    "`sequence_loss(gram='topk:K')`: the loss of the kept rows, their exact ‖D‖ ≤ b‖G‖ at or under the reported distortion; a bad name is one line."
+    from capskip.skip import SkipOptions
+    from capskip.steps import sequence_loss
+    z, y, h = batch(11, B=8, scale=0.7)
+    G, _ = exact_gram(z, y, h, True)
+    n = (y != -100).sum()
+    for k in (2, 23):
+        loss, st = sequence_loss(z, h, y, budget=0.3, gram=f'topk:{k}')
+        D = G[st.drop].sum(0)
+        realised = float(D.norm() / G.sum(0).norm())
+        assert realised <= 0.3 + 1e-9 and float(st.distortion) >= realised - 1e-6   # the statistic is float32
+        tok = torch.nn.functional.cross_entropy(z.flatten(0, 1), y.flatten(), reduction='none', ignore_index=-100).view(8, -1)
+        torch.testing.assert_close(loss, tok.sum(1)[~st.drop].sum() / n, rtol=1e-12, atol=1e-14)
+        if k == 23:
+            exact = sequence_loss(z, h, y, budget=0.3, gram='block')[1]
+            assert st.drop.tolist() == exact.drop.tolist() and int(st.drop.sum()) > 0   # k ≥ V: the exact rule's rows
+    with pytest.raises(ValueError, match="gram must be 'auto'"): SkipOptions(gram='topk:x')
+    with pytest.raises(ValueError, match="gram must be 'auto'"): sequence_loss(z, h, y, gram='exact')

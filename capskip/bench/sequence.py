@@ -20,6 +20,7 @@ from torch import Tensor
 from .selector import median_ms
 from ..core import DEFAULT_BUDGET
 from ..sequence import block_gram, gram_costs, pick_method, select_sequences, token_gram
+from ..sequence_bounds import TOPK, topk_gram_bounds, topk_gram_costs
 
 
 # %% auto #0
@@ -56,9 +57,9 @@ def token_batch(B: int, L: int, vocab: int, seed: int = 0, device: str = 'cpu') 
 
 # %% ../../nbs/08d_bench_sequence.ipynb #9e6d71f7
 class SequenceBenchRow(NamedTuple):
-    "One measured (B, L, V, layers): medians in ms, the method `pick_method` chose, and the two Grams' relative difference."
+    "One measured (B, L, V, layers): medians in ms, the method `pick_method` chose, the two Grams' relative difference, and the top-k bounds' ms (None in records before them)."
     B: int; L: int; V: int; layers: int; dense_ms: float; token_ms: float | None; block_ms: float; select_ms: float
-    auto: str; gram_diff: float | None
+    auto: str; gram_diff: float | None; topk_ms: float | None = None
 
 def interleaved_ms(fns: dict, repeats: int, warmup: int, device: str) -> dict[str, float]:
     "Median ms of each `fns[name]()`, timed in turn within each of `repeats` rounds (after `warmup` rounds): a load that comes and goes shares all of them."
@@ -80,7 +81,8 @@ def bench_sequence_one(model: WidthLM, B: int, L: int, repeats: int = 3, warmup:
     with torch.no_grad(): z, h = model(x)
     d, V = h.shape[-1], z.shape[-1]
     fns = {'dense': dense, 'block': lambda: block_gram(z, y, h, bias=False, check_values=False),
-           'select': lambda: select_sequences(z, y, h, budget, bias=False, check_values=False)}
+           'select': lambda: select_sequences(z, y, h, budget, bias=False, check_values=False),
+           'topk': lambda: topk_gram_bounds(z, y, h, bias=False, k=TOPK, check_values=False)}
     if token: fns['token'] = lambda: token_gram(z, y, h, bias=False, check_values=False)
     ms = interleaved_ms(fns, repeats, warmup, device)
     dense_ms, block_ms, select_ms, token_ms = ms['dense'], ms['block'], ms['select'], ms.get('token')
@@ -89,10 +91,10 @@ def bench_sequence_one(model: WidthLM, B: int, L: int, repeats: int = 3, warmup:
         Kt, Kb = token_gram(z, y, h, bias=False), block_gram(z, y, h, bias=False)
         diff = float((Kt - Kb).norm() / Kb.norm())
     return SequenceBenchRow(B, L, V, len(model.blocks), dense_ms, token_ms, block_ms, select_ms,
-                            pick_method(B, L, V, d, bias=False), diff)
+                            pick_method(B, L, V, d, bias=False), diff, ms['topk'])
 
 SEQUENCE_COLUMNS = ('B', 'L', 'V', 'layers', 'dense ms', 'token ms', 'block ms', 'select ms', 'auto', 'token/dense',
-                    'block/dense', 'select/dense', 'formula', 'K diff')
+                    'block/dense', 'select/dense', 'formula', 'K diff', 'topk ms', 'topk/dense', 'topk formula')
 
 def format_sequence_table(rows: list[SequenceBenchRow], d: int = 768) -> str:
     "A plain-text table, one line per (B, L, V, layers), each cost a fraction of the dense step; formula: `cost_ratios`'s select/dense (width `d`)."
@@ -102,7 +104,9 @@ def format_sequence_table(rows: list[SequenceBenchRow], d: int = 768) -> str:
     for r in rows:
         cells = (r.B, r.L, r.V, r.layers, f(r.dense_ms, '.1f'), f(r.token_ms, '.1f'), f(r.block_ms, '.1f'), f(r.select_ms, '.1f'),
                  r.auto, f(None if r.token_ms is None else r.token_ms / r.dense_ms, '.3f'), f(r.block_ms / r.dense_ms, '.3f'),
-                 f(r.select_ms / r.dense_ms, '.3f'), f(cost_ratios(r.B, r.L, r.layers, d, r.V)[r.auto], '.3f'), f(r.gram_diff, '.0e'))
+                 f(r.select_ms / r.dense_ms, '.3f'), f(cost_ratios(r.B, r.L, r.layers, d, r.V)[r.auto], '.3f'), f(r.gram_diff, '.0e'),
+                 f(r.topk_ms, '.1f'), f(None if r.topk_ms is None else r.topk_ms / r.dense_ms, '.3f'),
+                 f(cost_ratios(r.B, r.L, r.layers, d, r.V)['topk'], '.4f'))
         lines.append(' | '.join(f'{str(c):>{n}}' for c, n in zip(cells, w)))
     return '\n'.join(lines)
 
@@ -114,7 +118,7 @@ def cost_ratios(B: int, L: int, layers: int = 2, d: int = 768, vocab: int = 5025
     "The formulas' prediction: each Gram's multiply-adds (`gram_costs`) over the dense step's (`dense_macs`)."
     dense = dense_macs(B, L, layers, d, vocab)
     c = gram_costs(B, L, vocab, d, bias=False)
-    return {'token': c['token'] / dense, 'block': c['block'] / dense}
+    return {'token': c['token'] / dense, 'block': c['block'] / dense, 'topk': topk_gram_costs(B, L, vocab, d, TOPK, bias=False) / dense}
 
 
 # %% ../../nbs/08d_bench_sequence.ipynb #a1c0e5d2
@@ -147,10 +151,13 @@ def growth_lines(rows: list[SequenceBenchRow], d: int = 768) -> list[str]:
             k = diff[0]
             sel = lambda r: gram_costs(r.B, r.L, r.V, d, bias=False)[r.auto]
             dense = lambda r: dense_macs(r.B, r.L, r.layers, d, r.V)
+            topk = lambda r: topk_gram_costs(r.B, r.L, r.V, d, TOPK, bias=False)
             fixed = ', '.join(f'{n}={getattr(a, n)}' for n in keys if n != k)
             out.append(f'{k} {getattr(a, k)} -> {getattr(b, k)} ({fixed}): select x{b.select_ms / a.select_ms:.2f} '
                        f'(formula x{sel(b) / sel(a):.2f}, {a.auto} -> {b.auto}), dense x{b.dense_ms / a.dense_ms:.2f} '
-                       f'(formula x{dense(b) / dense(a):.2f}), select/dense {a.select_ms / a.dense_ms:.3f} -> {b.select_ms / b.dense_ms:.3f}')
+                       f'(formula x{dense(b) / dense(a):.2f}), select/dense {a.select_ms / a.dense_ms:.3f} -> {b.select_ms / b.dense_ms:.3f}'
+                       + ('' if a.topk_ms is None or b.topk_ms is None else
+                          f'; topk x{b.topk_ms / a.topk_ms:.2f} (formula x{topk(b) / topk(a):.2f})'))
     return out
 
 

@@ -28,7 +28,8 @@ from ..engine.reuse import gather_sources, saved_bytes
 from ..runs.models import create_model
 from ..engine.facade import sequence_grad_logits
 from ..selector import residuals, select
-from ..sequence import IGNORE_INDEX, select_sequences
+from ..sequence import IGNORE_INDEX
+from ..sequence_bounds import select_sequences_with
 from .sequence import WidthLM, token_batch
 
 # %% auto #0
@@ -106,16 +107,15 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 class StepRunner:
     "One model, its engines for every mode, an optimizer, and a fixed batch: runs timed steps."
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: float = DEFAULT_BUDGET, seed: int = 0,
-                 compile: bool = False):
-        self.model, self.x, self.y, self.budget, self.compile = model, x, y, budget, bool(compile)
+                 compile: bool = False, gram: str = 'auto'):
+        self.model, self.x, self.y, self.budget, self.compile, self.gram = model, x, y, budget, bool(compile), gram
         self.engines = {m: Engine(model, m, compile=self.compile) for m in MODES}
         self.engines['kept_only'] = Engine(model, 'dense', compile=self.compile)   # its own compiled graphs (dynamic in k)
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         self.gen = torch.Generator().manual_seed(seed)
         self.device = x.device
 
-    def _sync(self):
-        if self.device.type == 'cuda': torch.cuda.synchronize(self.device)
+    def _sync(self): torch.cuda.synchronize(self.device) if self.device.type == 'cuda' else None
 
     def keep_mask(self, k: float) -> torch.Tensor:
         "A seeded mask keeping round(k·B) rows (at least 1)."
@@ -137,11 +137,10 @@ class StepRunner:
         self._sync(); t1 = time.perf_counter()
         res = None
         if mode != 'dense' and self.y.ndim == 2:           # sequence rows: the row Gram of G_i = Σ_t r_t h̃_tᵀ / N
-            sel = select_sequences(fwd.logits, self.y, fwd.features, self.budget); del sel
+            sel = select_sequences_with(self.gram, fwd.logits, self.y, fwd.features, self.budget); del sel
         elif mode != 'dense':
             res = residuals(fwd.logits, self.y)
-            sel = select(res, fwd.features.float(), fwd.logits.argmax(1) == self.y, self.budget)
-            del sel
+            sel = select(res, fwd.features.float(), fwd.logits.argmax(1) == self.y, self.budget); del sel
         self._sync(); t2 = time.perf_counter()
         keep = torch.ones(B, dtype=torch.bool, device=self.device) if mode == 'dense' else self.keep_mask(k)
         grad = self.loss_grad(fwd.logits, self.y, keep.float()) if res is None else res * (keep.float() / B)[:, None]
@@ -189,6 +188,7 @@ class StepBench:
     compile: bool = False           # every mode and the kept_only reference through torch.compile (inductor)
     seq: int = 0                    # > 0: a causal LM (model 'width_lm': `WidthLM`) on random ids of `seq` tokens per row,
     width: int = 768; vocab: int = 50257; layers: int = 2   # of GPT-2 small's d and V (our benchmark shape), 2 blocks
+    gram: str = 'auto'              # seq > 0: the selector's row Gram (`parse_gram`: 'auto' exact, 'topk[:K]' certified bounds)
 
 def _in_channels(model: nn.Module) -> int:
     "The first convolution's input channels (3 if there is none)."
@@ -212,7 +212,7 @@ def build_lm_runner(bench: StepBench) -> StepRunner:
     "A `WidthLM` of `bench.layers` blocks at width `bench.width`, random ids [B, seq] and their next tokens as labels."
     model = WidthLM(bench.layers, bench.width, bench.vocab, max(1, bench.width // 64), max(1024, bench.seq), features=False)
     x, y = token_batch(bench.batch, bench.seq, bench.vocab, bench.seed, bench.device)
-    return StepRunner(model.to(bench.device).train(), x, y, bench.budget, bench.seed, bench.compile)
+    return StepRunner(model.to(bench.device).train(), x, y, bench.budget, bench.seed, bench.compile, bench.gram)
 
 
 # %% ../../nbs/08b_bench_step.ipynb #d01f6273

@@ -137,7 +137,8 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
     print(format_sequence_table(rows, ns.width))
     print('dense: forward + cross-entropy + backward of every token; token/block: the row Gram K by each method; select: '
           'select_sequences with the cheaper (auto); formula: that Gram\'s multiply-adds over the dense step\'s; '
-          'K diff: ‖K_token − K_block‖/‖K_block‖.')
+          'K diff: ‖K_token − K_block‖/‖K_block‖; topk: the certified top-16 bounds on K (capskip.sequence_bounds, '
+          "gram='topk'); topk formula: their multiply-adds over the dense step's.")
     for line in growth_lines(rows, ns.width): print(line)
     if steps:
         print(format_head_grad_table(steps))
@@ -169,6 +170,8 @@ def _step_parser() -> argparse.ArgumentParser:
     p.add_argument('--width', type=int, default=768, help='width_lm: width d (default %(default)s, GPT-2 small)')
     p.add_argument('--vocab', type=int, default=50257, help='width_lm: vocabulary V (default %(default)s, GPT-2)')
     p.add_argument('--layers', type=int, default=2, help='width_lm: transformer blocks (default %(default)s)')
+    p.add_argument('--gram', default='auto', help="width_lm: the selector's row Gram: 'auto', 'token', 'block' (exact) or "
+                   "'topk' / 'topk:K' (certified bounds from each token's top K probabilities; default %(default)s)")
     p.add_argument('--num-classes', type=int, default=100, help="classes of the model's head and the random labels (default %(default)s)")
     p.add_argument('--budget', type=float, default=literal_constant('capskip.core', 'DEFAULT_BUDGET'),
                    help="the selector's budget b (default %(default)s: capskip.core.DEFAULT_BUDGET)")
@@ -212,6 +215,7 @@ def bench_step_main(argv: list[str] | None = None) -> int:
         p.error('--model width_lm benchmarks a causal LM and needs --seq TOKENS (e.g. 128); --seq needs --model width_lm')
     if ns.seq and (min(ns.width, ns.vocab, ns.layers) < 1 or ns.width % 64):
         p.error(f'--width must be a multiple of 64 (heads of 64), --vocab and --layers >= 1; got {ns.width}, {ns.vocab}, {ns.layers}')
+    if ns.gram != 'auto' and not ns.seq: p.error('--gram picks the row Gram of a causal LM: it needs --model width_lm --seq TOKENS')
     if ns.ddp: return _bench_ddp(p, ns)
     import torch                                      # the benchmarks import torch (after parsing); docs and readme do not
     from capskip.bench.step import (RESULT_PREFIX, StepBench, backward_floor, format_floor, format_table, json_rows, machine_name,
@@ -224,18 +228,19 @@ def bench_step_main(argv: list[str] | None = None) -> int:
         try: check_out_file(path, flag)
         except ValueError as err: p.error(str(err))
     from capskip.runs.models import MODELS, list_models
+    from capskip.sequence_bounds import parse_gram
     try:
-        keeps = parse_keeps(ns.keep)
+        keeps = parse_keeps(ns.keep); parse_gram(ns.gram)
         if not (ns.model in MODELS or ns.model == 'width_lm' or ns.model.startswith(('timm:', 'torchvision:', 'hf:'))):   # before any measuring process
             raise ValueError(f'--model {ns.model!r} is not a model: choose one of {list_models()}')
     except ValueError as err: print(f'capskip bench step: {err}', file=sys.stderr); return 2
     bench = StepBench(model=ns.model, batch=ns.batch, img=ns.img, num_classes=ns.num_classes, keeps=keeps, device=ns.device,
                       repeats=ns.repeats, warmup=ns.warmup, budget=ns.budget, seed=ns.seed,
-                      compile=ns.compile, seq=ns.seq, width=ns.width, vocab=ns.vocab, layers=ns.layers)
+                      compile=ns.compile, seq=ns.seq, width=ns.width, vocab=ns.vocab, layers=ns.layers, gram=ns.gram)
     if ns.phase != 'all':                              # one measuring process's work, as `launch_phase` runs it
         print(RESULT_PREFIX + json.dumps(run_phase(bench, ns.phase)), flush=True)
         return 0
-    shape = f'seq {ns.seq} (causal LM: d {ns.width}, V {ns.vocab}, {ns.layers} blocks)' if ns.seq else f'img {ns.img}'
+    shape = f'seq {ns.seq} (causal LM: d {ns.width}, V {ns.vocab}, {ns.layers} blocks, gram {ns.gram})' if ns.seq else f'img {ns.img}'
     print(f'capskip bench step  model {ns.model}  batch {ns.batch}  {shape}  keep {ns.keep}  device {ns.device}  '
           f'repeats {ns.repeats} (+{ns.warmup} warm-up)  threads {torch.get_num_threads()}  torch {torch.__version__}  '
           f'{"compiled (torch.compile, inductor): every mode and the reference" if ns.compile else "eager"}\n'

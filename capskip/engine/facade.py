@@ -51,7 +51,7 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
     res = torch.softmax(logits.detach().to(dt), -1)
     res.scatter_add_(-1, torch.where(mask, y, 0)[..., None], -torch.ones_like(res[..., :1]))
     w = torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
-    return res * (mask.to(dt) * (w / den).to(dt)[:, None])[..., None]
+    return res.mul_((mask.to(dt) * (w / den).to(dt)[:, None])[..., None])   # in place: one [B, L, V] buffer, not two
 
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
