@@ -31,13 +31,14 @@ from ..selector import residuals, select
 from ..sequence import IGNORE_INDEX
 from ..sequence_bounds import select_sequences_with
 from .sequence import WidthLM, token_batch
+from .keeps import parse_keeps, realised_keep, show_k
 
 # %% auto #0
-__all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'parse_keeps',
-           'RSSSampler', 'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'build_lm_runner', 'configs',
-           'time_configs', 'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_seconds',
-           'gather_account', 'summarize', 'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record',
-           'run_phase', 'launch_phase', 'measure']
+__all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'RSSSampler',
+           'state_bytes', 'StepRunner', 'StepBench', 'build_runner', 'build_lm_runner', 'configs', 'time_configs',
+           'measure_cpu_memory', 'copy_bandwidth', 'autograd_saved_bytes', 'gather_seconds', 'gather_account',
+           'summarize', 'backward_floor', 'format_floor', 'format_table', 'json_rows', 'record', 'run_phase',
+           'launch_phase', 'measure']
 
 # %% ../../nbs/08b_bench_step.ipynb #a40f3d92
 STEP_PHASES = ('forward', 'selector', 'gather', 'backward', 'optimizer')   # the timed parts of one step, in order
@@ -67,14 +68,6 @@ def mode_ideal(mode: str, k: float) -> float:
     if mode not in ideals: raise ValueError(f'unknown configuration {mode!r}; one of {sorted(ideals)}')
     return ideals[mode]
 
-
-# %% ../../nbs/08b_bench_step.ipynb #1f864a2e
-def parse_keeps(text: str) -> list[float]:
-    "'0.35,0.69' -> [0.35, 0.69], each in (0, 1]."
-    try: keeps = [float(v) for v in text.split(',') if v.strip()]
-    except ValueError: raise ValueError(f'--keep must be comma-separated fractions like 0.35,0.69, got {text!r}') from None
-    if not keeps or any(not 0 < k <= 1 for k in keeps): raise ValueError(f'--keep fractions must lie in (0, 1], got {text!r}')
-    return keeps
 
 # %% ../../nbs/08b_bench_step.ipynb #e82e7fdf
 class RSSSampler:
@@ -189,6 +182,9 @@ class StepBench:
     seq: int = 0                    # > 0: a causal LM (model 'width_lm': `WidthLM`) on random ids of `seq` tokens per row,
     width: int = 768; vocab: int = 50257; layers: int = 2   # of GPT-2 small's d and V (our benchmark shape), 2 blocks
     gram: str = 'auto'              # seq > 0: the selector's row Gram (`parse_gram`: 'auto' exact, 'topk[:K]' certified bounds)
+
+    def __post_init__(self):        # each k as the mask realises it, so the table's k and ideals are those of the rows kept
+        self.keeps = [realised_keep(k, self.batch) for k in self.keeps]
 
 def _in_channels(model: nn.Module) -> int:
     "The first convolution's input channels (3 if there is none)."
@@ -363,7 +359,7 @@ def format_floor(rows: list[dict]) -> str:
     "The backward-floor lines printed under the table: the floor, reuse's backward against it, and the gather's account."
     lines = []
     for r in rows:
-        lines.append(f'k={r["k"]:.2f}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
+        lines.append(f'k={show_k(r["k"])}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
                      f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that ({_how(r)}; medians differ by {r["excess_ms"]:+.1f} ms); '
                      f'selector + gather phases = {100 * r["fixed_share"]:.2f}% of the reuse step')
         if 'gathered_mib' in r:
@@ -387,7 +383,7 @@ def format_table(rows: list[dict]) -> str:
             + ''.join(f'{ph:>11}' for ph in STEP_PHASES))
     lines = [head]
     for r in rows:
-        lines.append(f'{r["mode"]:<10}{r["k"]:>6.2f}{r["ratio"]:>8.3f}{r["ideal"]:>8.3f}{r["overhead"]:>+10.3f}'
+        lines.append(f'{r["mode"]:<10}{show_k(r["k"]):>6}{r["ratio"]:>8.3f}{r["ideal"]:>8.3f}{r["overhead"]:>+10.3f}'
                      f'{r["peak_mem"]:>10.3f}{r["peak_mib"]:>10.1f}{r["step_ms"]:>10.1f}' + ''.join(f'{r[ph]:>11.2f}' for ph in STEP_PHASES))
     return '\n'.join(lines)
 
