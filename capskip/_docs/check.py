@@ -181,7 +181,8 @@ def check_site(site: Path, chromium: str | None = None, search_word: str = 'sele
             where[0] = f'search.html?q={search_word}'
             page.goto(base + where[0], wait_until='load')
             with contextlib.suppress(Exception):
-                page.wait_for_function("document.querySelectorAll('#search-results li').length > 0", timeout=timeout_ms)
+                page.wait_for_function("/Search finished|did not match/.test("   # Sphinx lists the hits 5 ms apart, then says so
+                                       "document.querySelector('#search-results .search-summary')?.textContent || '')", timeout=timeout_ms)
             check.search_hits = page.eval_on_selector_all('#search-results li a', 'els => els.map(a => a.getAttribute("href"))')
         finally: browser.close()
     return check
