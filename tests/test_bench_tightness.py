@@ -83,6 +83,8 @@ def test_step_bench_reports_the_kept_fraction_its_mask_realises():
     assert StepBench(batch=128).keeps == [45 / 128, 88 / 128]
     bench = StepBench(batch=8, keeps=[0.35])
     assert StepBench(**{**bench.__dict__}).keeps == bench.keeps                 # idempotent: the measuring process rebuilds it
+    from capskip.bench.ddp import DDPBench
+    assert DDPBench(batch=8, keeps=(0.35, 0.69)).keeps == (0.375, 0.75)        # the DDP bench, per process, the same way
 
 
 def test_tables_print_the_realised_fraction_unrounded():
@@ -90,3 +92,32 @@ def test_tables_print_the_realised_fraction_unrounded():
     row = {'mode': 'reuse', 'k': 0.375, 'ratio': 0.7, 'ideal': (1 + 2 * 0.375) / 3, 'overhead': 0.1, 'peak_mem': 1.0,
            'peak_mib': 1.0, 'step_ms': 1.0, 'forward': 1.0, 'selector': 0.0, 'gather': 0.0, 'backward': 1.0, 'optimizer': 0.0}
     assert format_table([row]).splitlines()[1].split()[:2] == ['reuse', '0.375']
+
+
+def test_a_crash_keeps_the_vocabularies_measured_so_far_marked_partial(tmp_path, monkeypatch, capsys):
+    import capskip.bench.tightness as tight
+    from capskip.bench.tightness import load_tightness
+    row = lambda V: TightnessRow(V, 0, 1.0, 1.0, 0.3, 'exact', 0.25, 0.0, 0.1)
+    def fake(bench, V, progress=None):
+        if V == 8192: raise RuntimeError('killed half-way')
+        return [row(V)]
+    monkeypatch.setattr(tight, 'train_and_measure', fake)
+    path = tmp_path / 'run.json'
+    with pytest.raises(RuntimeError): bench_tightness_main(['--vocab', '1024,8192', '--record', str(path)])
+    rec, rows = load_tightness(path)
+    assert rec['complete'] is False and [r.vocab for r in rows] == [1024]
+    assert bench_tightness_main(['--vocab', '1024,2048', '--record', str(path)]) == 0      # control: a whole run
+    rec, rows = load_tightness(path)
+    assert rec['complete'] is True and [r.vocab for r in rows] == [1024, 2048]
+
+
+def test_training_reports_progress_and_leaves_the_global_rng_alone():
+    from capskip.bench.tightness import TightnessBench, train_and_measure
+    bench = TightnessBench(vocabs=[300], seq=48, batch=4, width=8, layers=1, heads=2, steps=[0, 200, 200], ks=[2],
+                           budgets=[0.3], eval_batches=1, dtype='float64')
+    torch.manual_seed(123); before = torch.get_rng_state()
+    lines = []
+    rows = train_and_measure(bench, 300, lines.append)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert sorted({r.step for r in rows}) == [0, 200] and len(rows) == 2 * 2     # a repeated checkpoint is measured once
+    assert any('step 100: training loss' in l for l in lines) and sum('val loss' in l for l in lines) == 2

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..engine import Engine
 from ..runs.models import create_model
+from .keeps import realised_keep
 
 # %% auto #0
 __all__ = ['FirstBucket', 'DDPBench', 'measure_rank', 'summarize_ddp', 'format_ddp_table', 'run_ddp_bench']
@@ -73,6 +74,9 @@ class DDPBench:
     num_classes: int = 100
     seed: int = 0
     device: str = 'cpu'
+
+    def __post_init__(self):         # each k as a mask of `batch` rows realises it (round(k·B) rows), as `StepBench` does
+        self.keeps = tuple(realised_keep(k, self.batch) for k in self.keeps)
 
 def _model(bench: DDPBench) -> nn.Module:
     torch.manual_seed(bench.seed)          # every process builds the same weights

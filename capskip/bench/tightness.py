@@ -81,9 +81,10 @@ def train_and_measure(bench: TightnessBench, vocab: int, progress=None) -> list[
     "Train one `WidthLM` over a BPE vocabulary of `vocab` tokens, measuring the bounds at each checkpoint in `bench.steps`."
     splits = stdlib_sft_splits(seq_len=bench.seq, seed=bench.seed, tokenizer=f'bpe:{vocab}')
     dt = getattr(torch, bench.dtype)
-    torch.manual_seed(bench.seed)
-    model = WidthLM(bench.layers, bench.width, splits.vocab_size, bench.heads, bench.seq).to(dt)
-    with torch.no_grad(): model.tok.weight.normal_(0.0, 0.02)   # GPT-2's initializer_range (N(0, 1) makes the tied head's softmax one-hot)
+    with torch.random.fork_rng(devices=[]):                     # seeded initialisation; the caller's global RNG is left as it was
+        torch.manual_seed(bench.seed)
+        model = WidthLM(bench.layers, bench.width, splits.vocab_size, bench.heads, bench.seq).to(dt)
+        with torch.no_grad(): model.tok.weight.normal_(0.0, 0.02)   # GPT-2's initializer_range (N(0, 1) makes the tied head's softmax one-hot)
     opt, gen = torch.optim.Adam(model.parameters(), lr=bench.lr), torch.Generator().manual_seed(bench.seed)
     if len(splits.train) < bench.batch or not len(splits.val):
         raise ValueError(f'rows of {bench.seq} tokens leave {len(splits.train)} training and {len(splits.val)} validation rows: '
@@ -92,13 +93,14 @@ def train_and_measure(bench: TightnessBench, vocab: int, progress=None) -> list[
     measured = [(splits.train.input_ids[i], splits.train.labels[i]) for i in pick.split(bench.batch)]   # what the selector sees
     val = rows_batches(splits.val, bench.batch, len(splits.val))
     rows, step, order, train_loss = [], 0, torch.empty(0, dtype=torch.long), float('nan')
-    for stop in sorted(bench.steps):
+    for stop in sorted(set(bench.steps)):
         while step < stop:
             if len(order) < bench.batch: order = torch.randperm(len(splits.train), generator=gen)
             pick, order = order[:bench.batch], order[bench.batch:]
             loss = token_loss(model, splits.train.input_ids[pick], splits.train.labels[pick])
             opt.zero_grad(); loss.backward(); opt.step()
             train_loss, step = loss.item(), step + 1
+            if progress and step % 100 == 0 and step < stop: progress(f'  V={splits.vocab_size} step {step}: training loss {train_loss:.3f}')
         with torch.no_grad(): val_loss = sum(token_loss(model, x, y).item() for x, y in val) / len(val)
         for (b, gram), (dropped, width, worst) in measure_bounds(model, measured, bench.ks, bench.budgets).items():
             rows.append(TightnessRow(splits.vocab_size, step, train_loss, val_loss, b, gram, dropped, width, worst))
@@ -123,16 +125,17 @@ def format_tightness_table(rows: list[TightnessRow]) -> str:
     return '\n'.join(out)
 
 def record_tightness(path, rows: list[TightnessRow], command: str, machine: str, load: tuple, settings: dict,
-                     seconds: float) -> dict:
-    "Write a recorded run (command, machine, date, load average, settings, rows) to `path` atomically."
+                     seconds: float, complete: bool = True) -> dict:
+    "Write a recorded run (command, machine, date, load average, settings, rows; `complete` False while vocabularies remain) to `path` atomically."
     rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
-           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'seconds': round(seconds, 1),
+           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'seconds': round(seconds, 1), 'complete': complete,
            'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
            'settings': settings, 'rows': [r._asdict() for r in rows]}
     atomic_write_bytes(path, (json.dumps(rec, indent=1) + '\n').encode())
     return rec
 
 def load_tightness(path) -> tuple[dict, list[TightnessRow]]:
-    "A recorded run and its rows."
+    "A recorded run and its rows (a record without `complete` predates the field, and was written only at a run's end)."
     rec = json.loads(Path(path).read_text())
+    rec.setdefault('complete', True)
     return rec, [TightnessRow(**r) for r in rec['rows']]

@@ -211,19 +211,21 @@ def bench_tightness_main(argv: list[str] | None = None) -> int:
     print(f'capskip bench tightness: WidthLM d={ns.width}, {ns.layers} layers, rows of {ns.seq} tokens, batches of {ns.batch}, '
           f'{bench.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads')
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
-    try: rows = [r for V in ns.vocab for r in train_and_measure(bench, V, lambda s: print(s, file=sys.stderr, flush=True))]
-    except ValueError as e:                            # too few rows at this --seq: one line, no traceback
-        print(f'capskip bench tightness: {e}', file=sys.stderr); return 2
+    command = 'capskip bench tightness ' + ' '.join(a for a in (argv or []) if not a.startswith('--record') and a != ns.record)
+    settings = {k: v for k, v in vars(ns).items() if k != 'record'}   # not the output path: it names this machine's folders
+    rows = []
+    for i, V in enumerate(ns.vocab):
+        try: rows += train_and_measure(bench, V, lambda s: print(s, file=sys.stderr, flush=True))
+        except ValueError as e:                        # too few rows at this --seq: one line, no traceback
+            print(f'capskip bench tightness: {e}', file=sys.stderr); return 2
+        if ns.record:                                  # after each vocabulary: a crash keeps what was measured, marked partial
+            record_tightness(ns.record, rows, command.strip(), machine_name('cpu'), (load_before, os.getloadavg()[0]), settings,
+                             time.perf_counter() - t0, complete=i == len(ns.vocab) - 1)
     print(format_tightness_table(rows))
     print('exact: fraction of rows the exact rule drops; topk:k: the bounds\' rule, [its share of the exact rule\'s], and the '
           'width (ΣK^up − ΣK^lo)/ΣK; every dropped set is checked on the exact Gram (largest ‖D‖/‖G‖: '
           f'{max(r.worst / r.budget for r in rows):.3f} of its budget).')
-    if ns.record:
-        command = 'capskip bench tightness ' + ' '.join(a for a in (argv or []) if not a.startswith('--record') and a != ns.record)
-        settings = {k: v for k, v in vars(ns).items() if k != 'record'}   # not the output path: it names this machine's folders
-        record_tightness(ns.record, rows, command.strip(), machine_name('cpu'), (load_before, os.getloadavg()[0]), settings,
-                         time.perf_counter() - t0)
-        print(f'recorded to {ns.record}')
+    if ns.record: print(f'recorded to {ns.record}')
     return 0
 
 
