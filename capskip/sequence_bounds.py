@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -18,8 +19,8 @@ from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule
                               exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
-__all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'GramBounds', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
-           'select_sequences_topk', 'parse_gram', 'select_sequences_with']
+__all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'pair_columns', 'GramBounds', 'pair_sums', 'topk_gram_bounds',
+           'topk_gram_costs', 'select_from_bounds', 'select_sequences_topk', 'parse_gram', 'select_sequences_with']
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
@@ -58,13 +59,49 @@ def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
     return TopSplit(lse, vals, idx, theta, tail)
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
+def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    "U, the vocabulary columns the pair terms read (every token's top-k and its label, sorted, once); S_t over U as a CSR [T, |U|]; each label's row in U."
+    T, kk = sp.index.shape
+    U, inv = torch.unique(torch.cat([sp.index.reshape(-1), yc]), return_inverse=True)
+    cols, order = inv[:T * kk].view(T, kk).sort(1)                   # CSR: sorted columns within each row
+    crow = torch.arange(0, T * kk + 1, kk, device=yc.device)
+    with warnings.catch_warnings():                                  # torch marks CSR tensors beta; the product here is plain
+        warnings.filterwarnings('ignore', message='Sparse CSR tensor support is in beta')
+        S = torch.sparse_csr_tensor(crow, cols.reshape(-1), sp.values.gather(1, order).reshape(-1), (T, U.numel()),
+                                    check_invariants=False)
+    return U, S, inv[T * kk:]
+
 class GramBounds(NamedTuple):
     "Entrywise bounds lower ≤ K ≤ upper on the row Gram K_ij = ⟨G_i, G_j⟩_F, float64 [B, B] (from `topk_gram_bounds`)."
     lower: Tensor; upper: Tensor
 
+def pair_sums(zf: Tensor, sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int) -> tuple[Tensor, Tensor]:
+    "Z [B, B] (Z_ij = Σ_{t∈i, s∈j} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts) and W [2, B, B] (the symmetric rest, lower and upper), from flat [T, V] logits `zf`, their split `sp`, its `pair_columns`, masked features `h` [T, d̃] and labels `yc`."
+    T, dev, dt = zf.shape[0], zf.device, h.dtype
+    B, acc, floor = T // L, gram_dtype(dev), exp_floor(dt)
+    U, S, ypos = columns
+    row, tail = torch.arange(T, device=dev) // L, sp.tail_sq.sqrt()   # each token's sequence; ‖T_t‖
+    Z = torch.zeros(B, B, dtype=acc, device=dev)
+    W = torch.zeros(2, B, B, dtype=acc, device=dev)
+    step = max(1, _CHUNK_ELEMENTS // max(U.numel(), T))
+    for s0 in range(0, T, step):
+        s1 = min(T, s0 + step)
+        P = zf[s0:s1].T.index_select(0, U).to(dt)                   # [u, s-chunk]: z_s[v] at the columns U
+        outside = P <= sp.theta[None, s0:s1]                        # v ∉ S_s
+        P.sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_()        # p_s[v]
+        g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
+        N = (S @ P).sub_(P.index_select(0, ypos)).mul_(g)            # (⟨S_t, p_s⟩ − p_s[y_t]) g
+        Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ P.masked_fill_(outside, 0.0)).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
+        Eg = tail[:, None] * tail[None, s0:s1] * g                   # e_ts g: 0 ≤ ⟨T_t, T_s⟩ ≤ e_ts
+        per_row = lambda X: X.view(B, L, s1 - s0).sum(1, dtype=acc)  # [B, s-chunk]: summed over t ∈ i
+        Z.index_add_(1, row[s0:s1], per_row(N))
+        W[0].index_add_(1, row[s0:s1], per_row(Sym + Eg.clamp_max(0)))
+        W[1].index_add_(1, row[s0:s1], per_row(Sym.add_(Eg.clamp_min_(0))))
+    return Z, W
+
 def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, k: int = TOPK,
                      ignore_index: int = IGNORE_INDEX, denominator=None, *, check_values: bool | None = None) -> GramBounds:
-    "Certified bounds on K from each token's top-k probabilities (section 2): cost T·V + T²(2k + d̃), T = B·L."
+    "Certified bounds on K from each token's top-k probabilities (section 2): cost T·V + T·u + T²(2k + d̃), T = B·L (`topk_gram_costs`)."
     check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1: raise ValueError(f'k must be an integer ≥ 1 (e.g. {TOPK}), got {k!r}')
     B, L, V = logits.shape
@@ -73,41 +110,20 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     y = labels.reshape(T)
     mask = y != ignore_index
     yc = torch.where(mask, y, torch.zeros_like(y)).long()
-    zf, floor = logits.detach().reshape(T, V), exp_floor(dt)
-    sp = top_split(zf, k, dt)
+    zf = logits.detach().reshape(T, V)
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
-    h = h * mask[:, None].to(dt)                          # an ignored token has r·h̃ᵀ = 0: its g row is 0
-    cols, kk, tail = sp.index.reshape(-1), sp.index.shape[1], sp.tail_sq.sqrt()
-    row = torch.arange(T, device=dev) // L                # each token's sequence
-    Z = torch.zeros(B, B, dtype=acc, device=dev)          # Z[j, i] = Σ_{s∈j, t∈i} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts
-    W = torch.zeros(2, B, B, dtype=acc, device=dev)       # the symmetric rest: lower and upper
-    step = max(1, _CHUNK_ELEMENTS // (T * kk))
-    for s0 in range(0, T, step):
-        s1 = min(T, s0 + step)
-        zs, ls = zf[s0:s1], sp.lse[s0:s1, None]
-        Gz = zs.gather(1, cols[None].expand(s1 - s0, -1)).to(dt).view(s1 - s0, T, kk)   # z_s[v] at every v of every S_t
-        outside = Gz <= sp.theta[s0:s1, None, None]                 # v ∉ S_s
-        G = Gz.sub_(ls[:, :, None]).clamp_(min=floor).exp_()        # p_s[v]
-        A = torch.bmm(G.transpose(0, 1), sp.values[:, :, None]).squeeze(2).T               # ⟨S_t, p_s⟩ as [s, t]
-        C = torch.bmm(G.masked_fill_(outside, 0.0).transpose(0, 1), sp.values[:, :, None]).squeeze(2).T  # ⟨S_t, S_s⟩
-        g = h[s0:s1] @ h.T                                           # ⟨h̃_s, h̃_t⟩
-        N = (A - (zs.index_select(1, yc).to(dt) - ls).clamp_(min=floor).exp_()).mul_(g)   # (⟨S_t, p_s⟩ − p_s[y_t]) g
-        Sym = ((yc[s0:s1, None] == yc[None, :]).to(dt) - C).mul_(g)  # ([y_s = y_t] − ⟨S_s, S_t⟩) g
-        Eg = tail[s0:s1, None] * tail[None, :] * g                   # e_st g: 0 ≤ ⟨T_s, T_t⟩ ≤ e_st
-        per_row = lambda X: X.to(acc).view(s1 - s0, B, L).sum(2)     # [s-chunk, B]: summed over t ∈ i
-        Z.index_add_(0, row[s0:s1], per_row(N))
-        W[0].index_add_(0, row[s0:s1], per_row(Sym + Eg.clamp_max(0)))
-        W[1].index_add_(0, row[s0:s1], per_row(Sym.add_(Eg.clamp_min_(0))))
+    sp = top_split(zf, k, dt)
+    Z, W = pair_sums(zf, sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
     n = mask.sum() if denominator is None else torch.as_tensor(denominator, device=dev)
     scale = (1.0 / n.to(torch.float64).clamp_min(1.0) ** 2).to(acc)   # 1/N² (N: the batch's labelled tokens)
     lo, up = ((Z + Z.T).unsqueeze(0) + W).mul_(scale).unbind(0)
     return GramBounds(lo, up)
 
 def topk_gram_costs(B: int, L: int, V: int, d: int, k: int = TOPK, bias: bool = True) -> int:
-    "Multiply-adds (and gathers) of `topk_gram_bounds`: T·V for the split, T²(2k + d̃) for the pairs (T = B·L)."
-    T = B * L
-    return T * V + T * T * (2 * min(k, V) + d + (1 if bias else 0))
+    "Multiply-adds and gathers of `topk_gram_bounds` (T = B·L): T·V for the split, T·u gathered (u ≤ min(V, T(k + 1)) columns), T²(2k + d̃) for the pairs."
+    T, kk = B * L, min(k, V)
+    return T * V + T * min(V, T * (kk + 1)) + T * T * (2 * kk + d + (1 if bias else 0))
 
 # %% ../nbs/00e_sequence_bounds.ipynb #bf1bb151
 def select_from_bounds(bounds: GramBounds, correct: Tensor, budget: float = DEFAULT_BUDGET,

@@ -97,3 +97,41 @@ def test_sequence_loss_with_a_topk_gram_keeps_the_budget_and_options_check_the_n
             assert st.drop.tolist() == exact.drop.tolist() and int(st.drop.sum()) > 0   # k ≥ V: the exact rule's rows
     with pytest.raises(ValueError, match="gram must be 'auto'"): SkipOptions(gram='topk:x')
     with pytest.raises(ValueError, match="gram must be 'auto'"): sequence_loss(z, h, y, gram='exact')
+
+
+@pytest.mark.parametrize('chunk', [1, 7, 40, 1 << 23])
+def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk):
+    "pair_sums walks the tokens s in chunks of _CHUNK_ELEMENTS // max(u, T); chunks that end inside a row must add up to one pass."
+    import capskip.sequence_bounds as sb
+    z, y, h = batch(11, B=4, L=5, V=19)
+    whole = topk_gram_bounds(z, y, h, k=3)
+    monkeypatch.setattr(sb, '_CHUNK_ELEMENTS', chunk)
+    parts = topk_gram_bounds(z, y, h, k=3)
+    for a, b in zip(whole, parts): torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    G, K = exact_gram(z, y, h, True)
+    tol = 1e-12 * K.abs().max()
+    assert bool((parts.lower <= K + tol).all()) and bool((K <= parts.upper + tol).all())
+
+
+def test_pair_columns_hold_every_top_entry_and_label():
+    "U holds each token's top-k columns and its label once, sorted; S over U is the top-k values; a label's row in U is its column."
+    from capskip.sequence_bounds import pair_columns, top_split
+    z, y, _ = batch(3, B=3, L=4, V=17)
+    zf, yc = z.reshape(12, 17), y.reshape(12).clamp_min(0)
+    sp = top_split(zf, 3, torch.float64)
+    U, S, ypos = pair_columns(sp, yc)
+    assert bool((U[1:] > U[:-1]).all())
+    assert set(U.tolist()) == set(sp.index.flatten().tolist()) | set(yc.tolist())
+    dense = torch.zeros(12, 17, dtype=torch.float64).scatter_(1, sp.index, sp.values)
+    torch.testing.assert_close(S.to_dense(), dense[:, U], rtol=0, atol=0)
+    assert U[ypos].tolist() == yc.tolist()
+
+
+def test_half_precision_logits_are_bounded_in_float32():
+    "bf16 logits: the split and the pair terms run in float32 (the dtype of the top-k values), and the bounds bracket the float64 Gram of those logits."
+    z, y, h = batch(5, B=3, L=4, V=29)
+    zb = z.to(torch.bfloat16)
+    lo, up = topk_gram_bounds(zb, y, h.float(), k=4)
+    _, K = exact_gram(zb.double(), y, h.float().double(), True)
+    tol = 1e-5 * K.abs().max()
+    assert lo.dtype == torch.float64 and bool((lo <= K + tol).all()) and bool((K <= up + tol).all())

@@ -19,14 +19,16 @@ from torch import Tensor
 
 from .selector import median_ms
 from ..core import DEFAULT_BUDGET
-from ..sequence import block_gram, gram_costs, pick_method, select_sequences, token_gram
-from ..sequence_bounds import TOPK, topk_gram_bounds, topk_gram_costs
+from ..sequence import block_gram, check_sequence_inputs, gram_costs, pick_method, select_sequences, token_gram
+from ..sequence_bounds import (TOPK, pair_columns, pair_sums, select_from_bounds, select_sequences_topk, top_split,
+                                     topk_gram_bounds, topk_gram_costs)
 
 
 # %% auto #0
-__all__ = ['SEQUENCE_COLUMNS', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'interleaved_ms', 'bench_sequence_one',
-           'format_sequence_table', 'dense_macs', 'cost_ratios', 'record_sequence', 'load_sequence_record',
-           'growth_lines', 'HeadGradRow', 'bench_head_grad', 'format_head_grad_table']
+__all__ = ['SEQUENCE_COLUMNS', 'TOPK_PHASES', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'interleaved_ms',
+           'bench_sequence_one', 'format_sequence_table', 'dense_macs', 'cost_ratios', 'record_sequence',
+           'load_sequence_record', 'growth_lines', 'HeadGradRow', 'bench_head_grad', 'format_head_grad_table',
+           'TopkPhasesRow', 'bench_topk_phases', 'format_topk_phases_table']
 
 # %% ../../nbs/08d_bench_sequence.ipynb #c9d58abd
 class WidthLM(nn.Module):
@@ -123,13 +125,13 @@ def cost_ratios(B: int, L: int, layers: int = 2, d: int = 768, vocab: int = 5025
 
 # %% ../../nbs/08d_bench_sequence.ipynb #a1c0e5d2
 def record_sequence(path: str | os.PathLike, rows: list[SequenceBenchRow], command: str, machine: str, load: tuple,
-                    settings: dict, steps: list[dict] | None = None) -> dict:
-    "Write a recorded run (command, machine, date, load average before/after, settings, rows, `HeadGradRow` steps) to `path` atomically."
+                    settings: dict, steps: list[dict] | None = None, phases: list[dict] | None = None) -> dict:
+    "Write a recorded run (command, machine, date, load average before/after, settings, rows, `HeadGradRow` steps, `TopkPhasesRow` phases) to `path` atomically."
     rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
            'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
            'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
            'settings': {k: v for k, v in settings.items() if k != 'record'},   # not the output path: it names this machine's folders
-           'rows': [r._asdict() for r in rows], 'steps': steps or []}
+           'rows': [r._asdict() for r in rows], 'steps': steps or [], 'phases': phases or []}
     tmp = f'{path}.tmp'
     with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
     os.replace(tmp, path)
@@ -197,3 +199,44 @@ def format_head_grad_table(rows: list[HeadGradRow]) -> str:
         lines.append(' | '.join(f'{str(c):>{n}}' for c, n in zip(cells, w)))
     return '\n'.join(lines)
 
+
+# %% ../../nbs/08d_bench_sequence.ipynb #b7e2a1c2
+TOPK_PHASES = ('check', 'split', 'columns', 'pairs', 'rule', 'select')
+
+class TopkPhasesRow(NamedTuple):
+    "One (B, L): median ms of the dense step and of each phase of `select_sequences_topk` (`TOPK_PHASES`), and u = |U|."
+    B: int; L: int; V: int; layers: int; u: int; dense_ms: float
+    check_ms: float; split_ms: float; columns_ms: float; pairs_ms: float; rule_ms: float; select_ms: float
+
+def bench_topk_phases(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: int = 1, device: str = 'cpu', seed: int = 0,
+                      budget: float = DEFAULT_BUDGET, k: int = TOPK) -> TopkPhasesRow:
+    "Time, interleaved (`interleaved_ms`), the dense step and each phase of the top-k selector on the same batch."
+    x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
+    def dense():
+        logits, _ = model(x)
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad(): z, h = model(x)
+    T, V = B * L, z.shape[-1]
+    zf, yc, hf = z.reshape(T, V), y.reshape(T), h.reshape(T, -1)   # token_batch labels every token: no mask
+    sp = top_split(zf, k, torch.float32)
+    columns, bounds = pair_columns(sp, yc), topk_gram_bounds(z, y, h, bias=False, k=k, check_values=False)
+    every = torch.ones(B, dtype=torch.bool, device=z.device)
+    ms = interleaved_ms({'dense': dense, 'check': lambda: check_sequence_inputs(z, y, h, check_values=True),
+                         'split': lambda: top_split(zf, k, torch.float32), 'columns': lambda: pair_columns(sp, yc),
+                         'pairs': lambda: pair_sums(zf, sp, columns, hf, yc, L),
+                         'rule': lambda: select_from_bounds(bounds, every, budget),
+                         'select': lambda: select_sequences_topk(z, y, h, budget, bias=False, k=k)}, repeats, warmup, device)
+    return TopkPhasesRow(B, L, V, len(model.blocks), columns[0].numel(), ms['dense'], *(ms[p] for p in TOPK_PHASES))
+
+def format_topk_phases_table(rows: list[TopkPhasesRow]) -> str:
+    "One line per (B, L, V, layers): u, the dense step's ms, each phase's ms, the phases' sum and the whole selector over the dense step."
+    cols = ('B', 'L', 'V', 'layers', 'u', 'dense ms', *(f'{p} ms' for p in TOPK_PHASES), 'phases sum', 'select/dense')
+    w = [max(6, len(c)) for c in cols]
+    lines = [' | '.join(f'{c:>{n}}' for c, n in zip(cols, w)), '-+-'.join('-' * n for n in w)]
+    for r in rows:
+        phases = [getattr(r, f'{p}_ms') for p in TOPK_PHASES]
+        cells = (r.B, r.L, r.V, r.layers, r.u, f'{r.dense_ms:.1f}', *(f'{v:.1f}' for v in phases), f'{sum(phases[:-1]):.1f}',
+                 f'{r.select_ms / r.dense_ms:.3f}')
+        lines.append(' | '.join(f'{str(c):>{n}}' for c, n in zip(cells, w)))
+    return '\n'.join(lines)

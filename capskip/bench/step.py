@@ -116,9 +116,10 @@ class StepRunner:
         rows = torch.randperm(B, generator=self.gen)[:max(1, round(k * B))]
         return torch.zeros(B, dtype=torch.bool).index_fill_(0, rows, True).to(self.device)
 
-    def loss_grad(self, logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, denominator=None) -> torch.Tensor:
-        "d/dz of (1/den) Σ w_i CE_i: per row (den: the batch), or per labelled token of sequence rows (den: their count)."
-        if y.ndim == 2: return sequence_grad_logits(logits, y, weights, denominator)
+    def loss_grad(self, logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, denominator=None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        "d/dz of (1/den) Σ w_i CE_i: per row (den: the batch), or per labelled token of sequence rows (den: their count; `rows`: only theirs)."
+        if y.ndim == 2: return sequence_grad_logits(logits, y, weights, denominator, rows=rows)
         return ce_residuals(logits, y) * (weights / (len(self.y) if denominator is None else denominator))[:, None]
 
     def step(self, mode: str, k: float) -> dict:
@@ -136,7 +137,9 @@ class StepRunner:
             sel = select(res, fwd.features.float(), fwd.logits.argmax(1) == self.y, self.budget); del sel
         self._sync(); t2 = time.perf_counter()
         keep = torch.ones(B, dtype=torch.bool, device=self.device) if mode == 'dense' else self.keep_mask(k)
-        grad = self.loss_grad(fwd.logits, self.y, keep.float()) if res is None else res * (keep.float() / B)[:, None]
+        if res is not None: grad = res * (keep.float() / B)[:, None]
+        elif mode == 'dense': grad = self.loss_grad(fwd.logits, self.y, keep.float())
+        else: grad = self.loss_grad(fwd.logits, self.y, keep.float(), rows=keep.nonzero().squeeze(1))   # [kept, L, V]: Engine.backward takes the kept rows alone
         self._sync(); t3 = time.perf_counter()
         engine.backward(fwd, grad, keep)
         del fwd, res, grad

@@ -105,6 +105,8 @@ def bench_sequence_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=0, help='seed of the model and the random tokens (default %(default)s)')
     p.add_argument('--head-grad', action='store_true',
                    help="also time the masked sequence step with and without the selector's head gradient (default: off)")
+    p.add_argument('--phases', action='store_true',
+                   help='also time each phase of the top-k selector (select_sequences_topk) beside the dense step (default: off)')
     p.add_argument('--record', default=None, metavar='RUN.json',
                    help='also write a recorded run (command, machine, load average, rows) for docs pages to show (default: none)')
     return p
@@ -117,8 +119,8 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
         parser.error('--repeats, --layers, --width, --heads and --vocab must be ≥ 1 and --warmup ≥ 0')
     if ns.width % ns.heads: parser.error(f'--width {ns.width} must be a multiple of --heads {ns.heads}')
     import torch                                      # after parsing: usage errors answer without torch
-    from capskip.bench.sequence import (WidthLM, bench_head_grad, bench_sequence_one, format_head_grad_table, format_sequence_table,
-                                        growth_lines, record_sequence)
+    from capskip.bench.sequence import (WidthLM, bench_head_grad, bench_sequence_one, bench_topk_phases, format_head_grad_table,
+                                        format_sequence_table, format_topk_phases_table, growth_lines, record_sequence)
     from capskip.bench.step import machine_name
     if ns.device == 'auto': ns.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if ns.device.startswith('cuda') and not torch.cuda.is_available(): parser.error('--device cuda given but CUDA is not available')
@@ -126,7 +128,7 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
     csv = lambda v: ','.join(map(str, v))
     print(f'capskip bench sequence: device {ns.device} ({name}), torch {torch.__version__}; LM d={ns.width}, V={csv(ns.vocab)}, '
           f'{csv(ns.layers)} layers, {ns.heads} heads, fp32; median of {ns.repeats} after {ns.warmup} warm-up calls')
-    rows, steps, load_before = [], [], os.getloadavg()[0]
+    rows, steps, phases, load_before = [], [], [], os.getloadavg()[0]
     for layers in ns.layers:
         for V in ns.vocab:
             torch.manual_seed(ns.seed)
@@ -135,6 +137,7 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
                 for L in ns.lengths:
                     rows.append(bench_sequence_one(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed, token=not ns.no_token))
                     if ns.head_grad: steps.append(bench_head_grad(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed))
+                    if ns.phases: phases.append(bench_topk_phases(model, B, L, ns.repeats, ns.warmup, ns.device, ns.seed))
                     print(f'  measured B={B} L={L} V={V} layers={layers}', file=sys.stderr, flush=True)
             del model
     print(format_sequence_table(rows, ns.width))
@@ -147,11 +150,17 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
         print(format_head_grad_table(steps))
         print('steps (interleaved, SGD included): dense, and the masked engine\'s capskip.steps.sequence_step with head_grad=False '
               '(plain) and head_grad=True (the head\'s gradient from the selector, its ∂W product not run in the backward).')
+    if phases:
+        print(format_topk_phases_table(phases))
+        print('phases of select_sequences_topk (top-16 bounds), each timed alone, interleaved with the dense step: check (input '
+              'and value checks), split (top_split: top-k, log-sum-exp, tail norms), columns (pair_columns: U and the sparse S), '
+              'pairs (pair_sums: the gather at U, the sparse products, the feature Gram), rule (select_from_bounds); select: '
+              'the whole call; u: |U|.')
     if ns.record:
         threads = f'OMP_NUM_THREADS={os.environ["OMP_NUM_THREADS"]} ' if 'OMP_NUM_THREADS' in os.environ else ''
         command = threads + 'capskip bench sequence ' + ' '.join(a for a in (argv or []) if not a.startswith('--record') and a != ns.record)
         record_sequence(ns.record, rows, command, machine_name(ns.device), (load_before, os.getloadavg()[0]), vars(ns),
-                        [r._asdict() for r in steps])
+                        [r._asdict() for r in steps], [r._asdict() for r in phases])
         print(f'recorded to {ns.record}')
     return 0
 

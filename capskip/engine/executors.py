@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .head import HeadCapture
-from .node import kept_indices, skip_forward
+from .node import full_rows_of, hand_over, kept_indices, kept_rows_of, skip_forward
 from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .types import Forward
 
@@ -63,13 +63,16 @@ class Executor:
         return skip_forward(self, x)
 
     def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, extra: tuple = ()) -> None:
-        "Back-propagate `grad_logits` on the rows where `keep` (`kept` of them) through autograd, with `extra` (tensor, gradient) pairs in the same backward."
+        "Back-propagate `grad_logits` (of every row, or of the `kept` rows where `keep` only) through autograd, with `extra` (tensor, gradient) pairs in the same backward."
         if not fwd.logits.requires_grad:
             raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
                                'run engine.forward with gradients enabled')
-        if fwd.node is not None: fwd.node.keep, fwd.node.kept = keep, kept   # the node needs no host read of its own
-        grad = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))   # [B, C] or [B, L, V]
-        torch.autograd.backward([fwd.logits, *(t for t, _ in extra)], [grad, *(g for _, g in extra)])
+        node, logits = fwd.node, fwd.logits
+        if node is not None: node.keep, node.kept = keep, kept   # the node needs no host read of its own
+        if node is not None and kept < keep.shape[0] and not (logits._backward_hooks or logits.retains_grad):
+            grad = hand_over(node, logits, kept_rows_of(grad_logits, keep, kept), keep, kept)   # no [B, ...] gradient in autograd
+        else: grad = full_rows_of(grad_logits, keep, kept)                                       # a hook sees every row's
+        torch.autograd.backward([logits, *(t for t, _ in extra)], [grad, *(g for _, g in extra)])
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     "Whether autocast is on for `device_type`, and its dtype (replayed by reforward's second forward)."
@@ -121,10 +124,10 @@ class Reforward(Executor):
         x, (amp_on, amp_dtype), start = state
         if start is None:                                # deterministic forward: the kept rows only
             rows = kept_indices(keep, kept)
-            xk, tangent = x.index_select(0, rows), grad_logits.index_select(0, rows)
+            xk, tangent = x.index_select(0, rows), kept_rows_of(grad_logits, keep, kept)
         else:                                            # random masks (dropout) depend on the batch: every row, same RNG
             xk = x
-            tangent = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))
+            tangent = full_rows_of(grad_logits, keep, kept)
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}
         held = stored_tensors(self.model)                # what a forward reads but does not store anew may be a cache

@@ -20,25 +20,31 @@ from ..sequence import IGNORE_INDEX
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
 from .inputs import ModelCall, pack_inputs
-from .node import data_parallel_wrapper, routed, unsynced_forward
+from .node import data_parallel_wrapper, kept_indices, routed, unsynced_forward
 from .probe import RowProbe
 from .reuse import Reuse
 from .types import MODES, Forward
 from ..registry import Registry
 
 # %% auto #0
-__all__ = ['EXECUTORS', 'MAX_CALLS', 'sequence_grad_logits', 'ce_grad_logits', 'uncompiled', 'unsynced_error', 'fsdp_sharded',
-           'fsdp2_modules', 'fsdp_error', 'fsdp_refusal', 'fsdp2_hooks_off', 'Engine']
+__all__ = ['EXECUTORS', 'MAX_CALLS', 'check_token_labels', 'sequence_grad_logits', 'ce_grad_logits', 'uncompiled',
+           'unsynced_error', 'fsdp_sharded', 'fsdp2_modules', 'fsdp_error', 'fsdp_refusal', 'fsdp2_hooks_off', 'Engine']
 
 # %% ../../nbs/01g_facade.ipynb #56c95414
-def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
-                         denominator: float | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y), 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`."
-    B, L, V = logits.shape
+def check_token_labels(logits: torch.Tensor, labels, ignore_index: int = IGNORE_INDEX) -> None:
+    "Sequence rows' labels: integer token ids [B, L] aligned with logits [B, L, V]; one line naming the problem otherwise."
+    B, L, _ = logits.shape
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be integer token ids [B, L] = [{B}, {L}] aligned with the logits '
                          f'({ignore_index} = ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape '
                          f'{tuple(getattr(labels, "shape", ()))}')
+
+def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
+                         denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
+    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y), 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's)."
+    B, L, V = logits.shape
+    check_token_labels(logits, labels, ignore_index)
     y = labels.to(logits.device).long()
     mask = y != ignore_index
     if values_checked(None, logits, y) and not bool((~mask | ((y >= 0) & (y < V))).all()):
@@ -48,17 +54,19 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
         den = float(denominator)
         if not den > 0: raise ValueError(f'denominator must be > 0, got {denominator}')
     dt = torch.promote_types(logits.dtype, torch.float32)
-    res = torch.softmax(logits.detach().to(dt), -1)
+    z, w = logits.detach(), torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
+    if rows is not None: z, y, mask, w = (t.index_select(0, rows) for t in (z, y, mask, w))   # the kept rows' gradient alone
+    res = torch.softmax(z.to(dt), -1)
     res.scatter_add_(-1, torch.where(mask, y, 0)[..., None], -torch.ones_like(res[..., :1]))
-    w = torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
     return res.mul_((mask.to(dt) * (w / den).to(dt)[:, None])[..., None])   # in place: one [B, L, V] buffer, not two
 
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
-                   residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits`."
+                   residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits` (`rows`: only theirs)."
     if logits.ndim == 3 and residuals is None and label_smoothing == 0.0:
-        return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index)
+        return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index, rows)
     if logits.ndim != 2:
         raise ValueError(f'logits must be [B, C] (or [B, L, V] of sequence rows, without label_smoothing or residuals), '
                          f'got shape {tuple(logits.shape)}')
@@ -301,21 +309,29 @@ class Engine:
             for m in self.fsdp[1:]: m.reshard()
         return fwd
 
-    def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, extra: tuple = ()) -> int:
-        "Back-propagate upstream `grad_logits` on the rows where `keep` through autograd (and `extra` (tensor, gradient) pairs in the same backward); returns the kept count."
+    def _ready(self, fwd: Forward, keep: torch.Tensor) -> int:
+        "Check that `fwd` can be back-propagated on the rows where `keep`; their count (the one host read per step)."
         if fwd.used: raise RuntimeError('this Forward was already back-propagated: run engine.forward again')
         if not fwd.autograd:
             raise RuntimeError(f'mode={fwd.mode!r}: the forward ran without autograd (under torch.no_grad()?); '
                                'run engine.forward with gradients enabled')
         B = fwd.logits.shape[0]
-        if grad_logits.shape != fwd.logits.shape:
-            raise ValueError(f'grad_logits must have the logits shape {tuple(fwd.logits.shape)}, got {tuple(grad_logits.shape)}')
         if keep.shape != (B,) or keep.dtype != torch.bool:
             raise ValueError(f'keep must be a bool tensor of shape [{B}], got {keep.dtype} {tuple(keep.shape)}')
+        return int(keep.sum())
+
+    def _backward(self, fwd: Forward, grad: torch.Tensor, keep: torch.Tensor, kept: int, extra: tuple = ()) -> int:
         fwd.used = True
-        kept = int(keep.sum())                           # the one host read per step
-        self.executor.backward(fwd, grad_logits.to(fwd.logits.dtype), keep, kept, extra)
+        self.executor.backward(fwd, grad.to(fwd.logits.dtype), keep, kept, extra)
         return kept
+
+    def backward(self, fwd: Forward, grad_logits: torch.Tensor, keep: torch.Tensor, extra: tuple = ()) -> int:
+        "Back-propagate upstream `grad_logits` (every row's, or the kept rows' alone in row order) on the rows where `keep` through autograd (and `extra` (tensor, gradient) pairs in the same backward); returns the kept count."
+        kept, shape = self._ready(fwd, keep), tuple(fwd.logits.shape)
+        if tuple(grad_logits.shape) not in (shape, (kept, *shape[1:])):
+            raise ValueError(f'grad_logits must have the logits shape {shape} (every row) or {(kept, *shape[1:])} (the {kept} '
+                             f'kept rows, in order), got {tuple(grad_logits.shape)}')
+        return self._backward(fwd, grad_logits, keep, kept, extra)
 
     def loss_backward(self, fwd: Forward, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                       denominator: float | None = None, label_smoothing: float = 0.0,
@@ -324,7 +340,11 @@ class Engine:
         B = fwd.logits.shape[0]
         if row_weights is not None and row_weights.shape != (B,):
             raise ValueError(f'row_weights must have shape [{B}], got {tuple(row_weights.shape)}')
-        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals, ignore_index)
-        keep = torch.ones(B, dtype=torch.bool, device=grad.device) if row_weights is None else row_weights.to(grad.device) > 0
-        if fwd.logits.ndim == 3: keep = keep & (targets.to(grad.device) != ignore_index).any(1)   # no labelled token: G_i = 0
-        return self.backward(fwd, grad, keep)
+        dev, sequences = fwd.logits.device, fwd.logits.ndim == 3
+        if sequences: check_token_labels(fwd.logits, targets, ignore_index)
+        keep = torch.ones(B, dtype=torch.bool, device=dev) if row_weights is None else row_weights.to(dev) > 0
+        if sequences: keep = keep & (targets.to(dev) != ignore_index).any(1)   # no labelled token: G_i = 0
+        kept = self._ready(fwd, keep)
+        rows = kept_indices(keep, kept) if sequences and kept < B else None   # sequence rows: [kept, L, V], not [B, L, V]
+        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals, ignore_index, rows)
+        return self._backward(fwd, grad, keep, kept)

@@ -16,8 +16,9 @@ from torch.autograd.function import once_differentiable
 from .types import Forward
 
 # %% auto #0
-__all__ = ['nonzero_rows', 'kept_indices', 'trainable', 'SkipNode', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad',
-           'inject_grad', 'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
+__all__ = ['nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of', 'same_tensor', 'trainable', 'SkipNode', 'hand_over',
+           'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad', 'routed', 'data_parallel_wrapper',
+           'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -27,6 +28,20 @@ def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
 def kept_indices(keep: torch.Tensor, kept: int) -> torch.Tensor:
     "The indices of the `kept` True entries of `keep`, without a host read (their count is known)."
     return torch.nonzero_static(keep, size=kept).squeeze(1)
+
+def kept_rows_of(grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
+    "The kept rows' upstream gradient [kept, ...]: `grad` itself when it holds just those rows (every row, when all are kept), else its rows where `keep`."
+    return grad if grad.shape[0] == kept else grad.index_select(0, kept_indices(keep, kept))
+
+def full_rows_of(grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
+    "Every row's upstream gradient [B, ...], 0 outside `keep`, from `grad` of every row (itself when all are kept) or of the kept rows only."
+    B = keep.shape[0]
+    if grad.shape[0] == B: return grad if kept == B else grad.masked_fill(~keep.view(-1, *[1] * (grad.ndim - 1)), 0)
+    return grad.new_zeros((B, *grad.shape[1:])).index_copy_(0, kept_indices(keep, kept), grad)
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    "Whether `a` is `b` (or a tensor over the same memory, with the same shape and strides)."
+    return b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     "(name, parameter) for every parameter that requires grad, in `named_parameters` order (tied ones once)."
@@ -45,6 +60,14 @@ class SkipNode:
     ran: bool = False
     groups: list | None = None             # per stage, in backward order, the indices into `params` it returns
     stream: Any = None                     # the backward under way: an iterator of each stage's gradients
+    rows_grad: torch.Tensor | None = None  # the kept rows' upstream gradient [kept, ...], handed over beside autograd (`hand_over`)
+    marker: torch.Tensor | None = None     # the stride-0 zero autograd carries in its place
+
+def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
+    "Give `node` the kept rows' upstream gradient [kept, ...] beside autograd; returns the stride-0 zero to back-propagate from `logits` instead."
+    node.keep, node.kept, node.rows_grad = keep, kept, rows_grad
+    node.marker = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
+    return node.marker
 
 def _groups(node: SkipNode) -> list[list[int]]:
     "The stages' parameter groups: the executor's (`grad_groups(mode, state, params)`, when it has one), else one stage of every parameter."
@@ -58,6 +81,12 @@ def _start(node: SkipNode, grad_logits: torch.Tensor):
         raise RuntimeError('capskip: this forward was already back-propagated and its saved values are freed: '
                            'run the forward again (retain_graph=True cannot keep them)')
     node.ran = True
+    rows_grad, marker, node.rows_grad, node.marker = node.rows_grad, node.marker, None, None
+    if rows_grad is not None:
+        if same_tensor(grad_logits, marker): grad_logits = rows_grad       # autograd carried the stand-in alone
+        else:                                                               # a gradient was added on the way: place the rows in it
+            grad_logits = grad_logits.index_add(0, kept_indices(node.keep, node.kept), rows_grad.to(grad_logits.dtype))
+            node.keep = node.kept = None                                    # its non-zero rows decide
     keep = nonzero_rows(grad_logits) if node.keep is None else node.keep
     kept = int(keep.sum()) if node.kept is None else node.kept   # the step's one host read
     node.keep, node.kept = keep, kept

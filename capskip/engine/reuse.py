@@ -20,7 +20,7 @@ from .executors import Executor, Reforward, mark_rows_dynamic
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
 from .layouts import is_rows, make_layout, renumbered
-from .node import kept_indices
+from .node import full_rows_of, kept_indices, kept_rows_of
 from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .stages import STAGES, run_stages, split_stages, stage_groups
 from .types import Forward, RowDependenceError
@@ -212,7 +212,7 @@ class Reuse(Executor):
         sliced = traced.fallback_reason is None and not (kept == B and keep.numel() == B)
         if sliced:
             rows = kept_indices(keep, kept)
-            tangent = grad_logits.index_select(0, rows)
+            tangent = kept_rows_of(grad_logits, keep, kept)
             if kept == 1:                                # the trace assumed batch >= 2: two half-weight copies
                 rows, tangent = rows.repeat(2), (tangent * 0.5).repeat(2, *[1] * (tangent.ndim - 1))   # [B, C] or [B, L, V]
             broken = failed_guard(traced, rows.numel())
@@ -228,7 +228,7 @@ class Reuse(Executor):
             st.all_rows = kept < B
             if st.all_rows and traced.fallback_reason: self.warn_all_rows(traced, traced.fallback_reason)
             full = torch.zeros((B,) + tuple(grad_logits.shape[1:]), dtype=grad_logits.dtype, device=grad_logits.device)
-            full[:keep.shape[0]] = torch.where(keep.view(-1, *[1] * (grad_logits.ndim - 1)), grad_logits, torch.zeros_like(grad_logits))
+            full[:keep.shape[0]] = full_rows_of(grad_logits, keep, kept)
             graph, args = traced.bw_full, _bw_args(traced, traced.bw_full_inputs, st.saved, full, None)
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
         return graph, args

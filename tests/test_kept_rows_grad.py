@@ -1,0 +1,101 @@
+"""The kept rows' upstream gradient alone ([kept, L, V]): `Engine.backward` takes it, `Engine.loss_backward` builds it for
+sequence rows, and reuse's backward then creates no tensor of the logits' full [B, L, V] shape. Gradients equal those
+from every row's gradient in every mode; a hook on the logits still sees every row's gradient; a second gradient added
+to the logits' on the way is placed, not lost."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from capskip.bench.sequence import WidthLM, token_batch
+from capskip.engine import Engine
+from capskip.engine.facade import sequence_grad_logits
+from capskip.testing import grad_errors, model_grads
+
+B, L, V = 4, 8, 300
+KEEP = torch.tensor([True, False, True, False])
+ROWS = KEEP.nonzero().squeeze(1)
+
+
+class LargestOutput(TorchDispatchMode):
+    "The largest storage (in elements) behind any op's tensor output while active (a view of 1 element expanded counts 1)."
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor): self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def lm():
+    torch.manual_seed(0)
+    return WidthLM(layers=1, d=16, vocab=V, heads=2, max_len=L, features=False)
+
+
+def grads_after(mode, backward):
+    "The model's gradients after `backward(engine, fwd, x, y)` on a fresh engine of `mode`."
+    model = lm()
+    engine = Engine(model, mode)
+    x, y = token_batch(B, L, V, seed=3)
+    backward(engine, engine.forward(x), y)
+    got = model_grads(model)
+    engine.close()
+    return got
+
+
+def every_row(engine, fwd, y): engine.backward(fwd, sequence_grad_logits(fwd.logits, y, KEEP.float()), KEEP)
+def kept_alone(engine, fwd, y): engine.backward(fwd, sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS), KEEP)
+
+
+@pytest.mark.parametrize('mode', ['dense', 'masked', 'reforward', 'reuse'])
+def test_the_kept_rows_gradient_alone_gives_every_rows_result(mode):
+    ref = grads_after(mode, every_row)
+    for backward in (kept_alone, lambda e, f, y: e.loss_backward(f, y, KEEP.float())):
+        top, rel = grad_errors(grads_after(mode, backward), ref)
+        assert top < 1e-6 and rel < 1e-6, (mode, top, rel)
+    assert max(float(g.abs().max()) for g in ref.values()) > 0
+
+
+def test_reuse_backward_builds_no_tensor_of_every_rows_logits():
+    model = lm()
+    engine = Engine(model, 'reuse')
+    x, y = token_batch(B, L, V, seed=3)
+    fwd = engine.forward(x)
+    grad = sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS)
+    with LargestOutput() as seen: engine.backward(fwd, grad, KEEP)
+    assert seen.largest < B * L * V and seen.largest >= 2 * L * V // 2   # the kept rows' [2, L, V] at most
+    fwd = engine.forward(x)                                             # the control: a hook on the logits
+    hooked = []
+    fwd.logits.register_hook(lambda g: hooked.append(g.clone()))
+    grad = sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS)
+    with LargestOutput() as seen: engine.backward(fwd, grad, KEEP)
+    assert seen.largest >= B * L * V                                    # the hook was given every row's gradient
+    torch.testing.assert_close(hooked[0][ROWS], grad, rtol=0, atol=0)
+    assert float(hooked[0][~KEEP].abs().max()) == 0.0
+    engine.close()
+
+
+def test_a_gradient_added_on_the_way_is_placed_not_lost():
+    extra = torch.zeros(B, L, V)
+    extra[1, 2, 5] = 0.25                                               # a second loss on a dropped row's logits
+    keep_all = KEEP.clone(); keep_all[1] = True
+    def with_extra(engine, fwd, y):
+        engine.backward(fwd, sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS), KEEP, extra=((fwd.logits, extra),))
+    def reference(engine, fwd, y):
+        engine.backward(fwd, sequence_grad_logits(fwd.logits, y, KEEP.float()) + extra, keep_all)
+    top, rel = grad_errors(grads_after('reuse', with_extra), grads_after('dense', reference))
+    assert top < 1e-6 and rel < 1e-6, (top, rel)
+    top, _ = grad_errors(grads_after('reuse', kept_alone), grads_after('dense', reference))
+    assert top > 1e-3                                                   # the control: without the extra the gradients differ
+
+
+def test_a_wrong_shape_names_both_accepted_shapes():
+    model = lm()
+    engine = Engine(model, 'reuse')
+    x, y = token_batch(B, L, V, seed=3)
+    fwd = engine.forward(x)
+    with pytest.raises(ValueError, match=r'grad_logits must have the logits shape \(4, 8, 300\) \(every row\) or \(2, 8, 300\)'):
+        engine.backward(fwd, torch.zeros(3, L, V), KEEP)
+    engine.close()
