@@ -17,6 +17,7 @@ from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
 from .engine.head import built_by, passes_through
 from .engine.inputs import split_labels
+from .engine.types import Forward
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
                               rw_multipliers, rwp_multipliers)
 from .selector import last_layer_grad, select
@@ -132,12 +133,15 @@ class CAPSkip:
                                 exclude_upweighted=o.exclude_upweighted, reweight=o.reweight, p=o.p, p_bar=o.p_bar,
                                 p_min=o.p_min, generator=gen, bias=self.engine.head.bias is not None)
 
-    def __call__(self, *args, **kwargs) -> Tensor:
-        "Forward every row of `model(*args, **kwargs)` (a lone dict: its keywords, `label_key` taken out and kept for `loss`); returns the logits, in autograd's graph."
+    def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
         fwd = self.engine.forward(*args, **kwargs)
         self._recent = [r for r in self._recent[-7:] if r[0]() is not None] + [(weakref.ref(fwd.logits), fwd.features, labels)]
-        return fwd.logits
+        return fwd
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        "Forward every row of `model(*args, **kwargs)` (a lone dict: its keywords, `label_key` taken out and kept for `loss`); returns the logits, in autograd's graph."
+        return self._forward(*args, **kwargs).logits
 
     def _forward_of(self, logits: Tensor) -> tuple:
         for ref, feats, labels in reversed(self._recent):
@@ -153,17 +157,12 @@ class CAPSkip:
     def loss(self, logits: Tensor, y: Tensor | None = None, weights: Tensor | None = None,
              denominator: float | None = None, shift_labels: bool | None = None) -> Tensor:
         "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself. Logits [B, L, V]: `sequence_loss` (`shift_labels` None: shift the batch's labels, not an explicit `y`)."
-        feats, labels = self._forward_of(logits)
-        from_batch, o = y is None, self.options
-        if y is None: y = labels
-        if y is None:
-            raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
-                             f'labels in the batch under {self.label_key!r} (label_key=)')
+        feats, y = self._labels(logits, y, shift_labels)
+        o = self.options
         if logits.ndim == 3:                             # sequence rows (a causal LM): section "Sequence rows" below
             if o.reweight is not None or o.label_smoothing:
                 raise ValueError('sequence rows (logits [B, L, V]) take reweight=None and label_smoothing=0: build '
                                  'CAPSkip(model) without them for a causal LM')
-            if from_batch if shift_labels is None else shift_labels: y = shifted_labels(y, o.ignore_index)
             loss, stats = sequence_loss(logits, feats, y, weights, budget=o.budget, weighted=o.weighted,
                                         exclude_upweighted=o.exclude_upweighted, bias=self.engine.head.bias is not None,
                                         denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index,
@@ -175,16 +174,34 @@ class CAPSkip:
         self.last = stats
         return loss
 
+    def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
+        "The head's input of `logits`' forward, and the labels: `y`, or the batch's (a causal LM's shifted as its own loss shifts them; `shift_labels` overrides)."
+        feats, labels = self._forward_of(logits)
+        from_batch = y is None
+        if y is None: y = labels
+        if y is None:
+            raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
+                             f'labels in the batch under {self.label_key!r} (label_key=)')
+        if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
+        return feats, y
+
     def step(self, x, y: Tensor | None = None, weights: Tensor | None = None, shift_labels: bool | None = None) -> StepStats:
-        "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`); `kept` an int. Sequence rows (labels [B, L], or the labels of a batch dict `x`): `self.loss(self(x), y).backward()`."
+        "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`); `kept` an int. Sequence rows (labels [B, L], or the labels of a batch dict `x`): the gradient of `self.loss(self(x), y)`, built for the kept rows only (`Engine.loss_backward`)."
         o = self.options
         if y is not None and not (isinstance(y, Tensor) and y.ndim == 2 and not y.is_floating_point()):
             stats = run_step(self.engine, x, y, weights, self.decide, o.label_smoothing, temperature=o.temperature,
                              ignore_index=o.ignore_index)      # one label (or class probabilities) per row: the fused step
             record(self.stats, stats)
         else:                                            # sequence rows, or the labels a batch dict carries
-            self.loss(self(x), y, weights, shift_labels=shift_labels).backward()
-            stats = dataclasses.replace(self.last, kept=int(self.last.kept))   # the step's one host read
+            fwd = self._forward(x)
+            if fwd.logits.ndim == 3 and o.temperature == 1.0 and fwd.autograd:   # no [B, L, V] gradient, no saved log-softmax
+                with torch.no_grad(): self.loss(fwd.logits, y, weights, shift_labels=shift_labels)   # the rule and the statistics
+                kept = self.engine.loss_backward(fwd, self._labels(fwd.logits, y, shift_labels)[1], self.last.applied,
+                                                 ignore_index=o.ignore_index)   # (1/N) Σ applied_i Σ_t CE: the same gradient
+            else:
+                self.loss(fwd.logits, y, weights, shift_labels=shift_labels).backward()
+                kept = int(self.last.kept)               # the step's one host read
+            stats = dataclasses.replace(self.last, kept=kept)
         self.last = stats
         return stats
 

@@ -99,3 +99,25 @@ def test_a_wrong_shape_names_both_accepted_shapes():
     with pytest.raises(ValueError, match=r'grad_logits must have the logits shape \(4, 8, 300\) \(every row\) or \(2, 8, 300\)'):
         engine.backward(fwd, torch.zeros(3, L, V), KEEP)
     engine.close()
+
+
+def test_capskip_step_on_sequences_builds_the_kept_rows_gradient_only(monkeypatch):
+    "CAPSkip.step on a causal LM: the same gradients as skip.loss(skip(x), y).backward(), through Engine.loss_backward's kept rows."
+    import capskip.engine.executors as executors
+    from capskip import CAPSkip
+    handed = []
+    real = executors.hand_over
+    monkeypatch.setattr(executors, 'hand_over', lambda node, logits, g, keep, kept: handed.append(tuple(g.shape)) or real(node, logits, g, keep, kept))
+    x, y = token_batch(B, L, V, seed=3)
+    w = KEEP.float()                                                    # rows 1 and 3 weigh 0: not kept
+    got = {}
+    for path in ('step', 'loss'):
+        model = lm()
+        skip = CAPSkip(model, mode='reuse', budget=0.0)
+        if path == 'step': stats = skip.step(x, y, weights=w)
+        else: skip.loss(skip(x), y, weights=w).backward()
+        got[path] = model_grads(model)
+        skip.close()
+    assert stats.kept == 2 and handed == [(2, L, V)]
+    top, rel = grad_errors(got['step'], got['loss'])
+    assert top < 1e-6 and rel < 1e-6, (top, rel)
