@@ -24,7 +24,7 @@ __all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'pair_columns', 'GramBounds
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
-_CHUNK_ELEMENTS = 1 << 23  # gathered p_s[v] per chunk (32 MB in fp32): no [T, T, k] tensor
+_CHUNK_ELEMENTS = 1 << 23  # p_s[v] gathered per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
 
 class TopSplit(NamedTuple):
     "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`."
