@@ -65,7 +65,7 @@ def test_reuse_backward_builds_no_tensor_of_every_rows_logits():
     fwd = engine.forward(x)
     grad = sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS)
     with LargestOutput() as seen: engine.backward(fwd, grad, KEEP)
-    assert seen.largest < B * L * V and seen.largest >= 2 * L * V // 2   # the kept rows' [2, L, V] at most
+    assert 2 * L * V <= seen.largest < B * L * V   # the largest storage read is the kept rows' [2, L, V] gradient
     fwd = engine.forward(x)                                             # the control: a hook on the logits
     hooked = []
     fwd.logits.register_hook(lambda g: hooked.append(g.clone()))

@@ -25,7 +25,7 @@ from ..sequence_bounds import (TOPK, pair_columns, pair_sums, select_from_bounds
 
 
 # %% auto #0
-__all__ = ['SEQUENCE_COLUMNS', 'TOPK_PHASES', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'interleaved_ms',
+__all__ = ['SEQUENCE_COLUMNS', 'TOPK_PHASES', 'WidthLM', 'token_batch', 'SequenceBenchRow', 'interleaved_ms', 'dense_step',
            'bench_sequence_one', 'format_sequence_table', 'dense_macs', 'cost_ratios', 'record_sequence',
            'load_sequence_record', 'growth_lines', 'HeadGradRow', 'bench_head_grad', 'format_head_grad_table',
            'TopkPhasesRow', 'bench_topk_phases', 'format_topk_phases_table']
@@ -72,17 +72,21 @@ def interleaved_ms(fns: dict, repeats: int, warmup: int, device: str) -> dict[st
         for name, fn in fns.items(): times[name].append(median_ms(fn, 1, 0, device))
     return {name: statistics.median(t) for name, t in times.items()}
 
+def dense_step(model: WidthLM, x: Tensor, y: Tensor):
+    "The dense step to time: forward, cross-entropy over every token, backward (gradients dropped after)."
+    def step():
+        logits, _ = model(x)
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
 def bench_sequence_one(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: int = 1, device: str = 'cpu',
                        seed: int = 0, budget: float = DEFAULT_BUDGET, token: bool = True) -> SequenceBenchRow:
     "Time the dense step and the selector's pieces at (B, L), interleaved (`interleaved_ms`); `token=False` skips the token Gram (quadratic in B·L)."
     x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
-    def dense():
-        logits, _ = model(x)
-        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        model.zero_grad(set_to_none=True)
     with torch.no_grad(): z, h = model(x)
     d, V = h.shape[-1], z.shape[-1]
-    fns = {'dense': dense, 'block': lambda: block_gram(z, y, h, bias=False, check_values=False),
+    fns = {'dense': dense_step(model, x, y), 'block': lambda: block_gram(z, y, h, bias=False, check_values=False),
            'select': lambda: select_sequences(z, y, h, budget, bias=False, check_values=False),
            'topk': lambda: topk_gram_bounds(z, y, h, bias=False, k=TOPK, check_values=False)}
     if token: fns['token'] = lambda: token_gram(z, y, h, bias=False, check_values=False)
@@ -212,17 +216,13 @@ def bench_topk_phases(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: 
                       budget: float = DEFAULT_BUDGET, k: int = TOPK) -> TopkPhasesRow:
     "Time, interleaved (`interleaved_ms`), the dense step and each phase of the top-k selector on the same batch."
     x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
-    def dense():
-        logits, _ = model(x)
-        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        model.zero_grad(set_to_none=True)
     with torch.no_grad(): z, h = model(x)
     T, V = B * L, z.shape[-1]
     zf, yc, hf = z.reshape(T, V), y.reshape(T), h.reshape(T, -1)   # token_batch labels every token: no mask
     sp = top_split(zf, k, torch.float32)
     columns, bounds = pair_columns(sp, yc), topk_gram_bounds(z, y, h, bias=False, k=k, check_values=False)
     every = torch.ones(B, dtype=torch.bool, device=z.device)
-    ms = interleaved_ms({'dense': dense, 'check': lambda: check_sequence_inputs(z, y, h, check_values=True),
+    ms = interleaved_ms({'dense': dense_step(model, x, y), 'check': lambda: check_sequence_inputs(z, y, h, check_values=True),
                          'split': lambda: top_split(zf, k, torch.float32), 'columns': lambda: pair_columns(sp, yc),
                          'pairs': lambda: pair_sums(zf, sp, columns, hf, yc, L),
                          'rule': lambda: select_from_bounds(bounds, every, budget),
