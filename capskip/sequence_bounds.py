@@ -19,44 +19,69 @@ from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule
                               exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
-__all__ = ['TOPK', 'GRAMS', 'TopSplit', 'top_split', 'pair_columns', 'GramBounds', 'pair_sums', 'topk_gram_bounds',
-           'topk_gram_costs', 'select_from_bounds', 'select_sequences_topk', 'parse_gram', 'select_sequences_with']
+__all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split', 'pair_columns', 'GramBounds',
+           'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds', 'select_sequences_topk',
+           'parse_gram', 'select_sequences_with']
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
 _CHUNK_ELEMENTS = 1 << 23  # p_s[v] gathered per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
+_PASS_ELEMENTS = 1 << 21   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, cache-sized)
+_BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
+
+def block_topk(zc: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    "The k largest entries of each row of [n, V] logits (sorted) and their columns, found in the k blocks of `_BLOCK` columns with the largest maxima."
+    n, V = zc.shape
+    nb = V // _BLOCK
+    if nb <= k: return zc.topk(k, dim=1)
+    bm = zc[:, :nb * _BLOCK].reshape(n, nb, _BLOCK).amax(2)                # each block's maximum: one vectorised pass
+    if nb * _BLOCK < V: bm = torch.cat([bm, zc[:, nb * _BLOCK:].amax(1, keepdim=True)], 1)
+    cols = (bm.topk(k, dim=1).indices[:, :, None] * _BLOCK + torch.arange(_BLOCK, device=zc.device)).reshape(n, -1)
+    past = cols >= V                                                      # the short last block's missing columns
+    top, j = zc.gather(1, cols.clamp_max(V - 1)).masked_fill_(past, -math.inf).topk(k, dim=1)
+    return top, cols.gather(1, j).clamp_max_(V - 1)
+
+class TopEntries(NamedTuple):
+    "Each token's k largest logits `top` (sorted) at `index`, and θ_t, the (k+1)-th largest (−∞ when k ≥ V)."
+    top: Tensor; index: Tensor; theta: Tensor
+
+def top_entries(z: Tensor, k: int, dt: torch.dtype) -> TopEntries:
+    "For flat [T, V] logits, in row chunks: each token's top k + 1 logits by `block_topk`."
+    T, V = z.shape
+    kk = min(k, V)
+    top = torch.empty(T, kk, dtype=dt, device=z.device)
+    idx = torch.empty(T, kk, dtype=torch.long, device=z.device)
+    theta = torch.full((T,), -math.inf, dtype=dt, device=z.device)          # k ≥ V: nothing in the tail
+    step = max(1, _PASS_ELEMENTS // V)
+    for i in range(0, T, step):
+        t, ix = block_topk(z[i:i + step], min(kk + 1, V))
+        t = t.to(dt)
+        if kk < V: theta[i:i + step] = t[:, kk]
+        top[i:i + step], idx[i:i + step] = t[:, :kk], ix[:, :kk]
+    return TopEntries(top, idx, theta)
 
 class TopSplit(NamedTuple):
     "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`."
     lse: Tensor; values: Tensor; index: Tensor; theta: Tensor; tail_sq: Tensor
 
 def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
-    "For flat [T, V] logits, in row chunks: the log-sum-exp, S_t (logits above θ_t, the (k+1)-th largest; ties go to the tail) and ‖T_t‖² summed directly."
+    "For flat [T, V] logits: `top_entries`, then one softmax per row chunk for the log-sum-exp, S_t and ‖T_t‖² (summed directly)."
     T, V = z.shape
-    kk = min(k, V)
-    lse = torch.empty(T, dtype=dt, device=z.device)
-    vals = torch.empty(T, kk, dtype=dt, device=z.device)
-    idx = torch.empty(T, kk, dtype=torch.long, device=z.device)
-    theta = torch.full((T,), -math.inf, dtype=dt, device=z.device)   # k ≥ V: nothing in the tail
-    tail = torch.empty(T, dtype=dt, device=z.device)
-    step = max(1, (1 << 22) // V)
-    buf = torch.empty(min(step, T), V, dtype=dt, device=z.device)   # one reused chunk: no [T, V] temporary
-    floor = exp_floor(dt)
+    e = top_entries(z, k, dt)
+    inS = e.top > e.theta[:, None]                                        # S_t: the top entries above θ_t (a tie goes to the tail)
+    lse, tail, vals = torch.empty(T, dtype=dt, device=z.device), torch.empty(T, dtype=dt, device=z.device), torch.zeros_like(e.top)
+    step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
+    c, p = torch.empty(2, min(step, T), V, dtype=dt, device=z.device).unbind(0)   # two reused chunks: no [T, V] temporary
     for i in range(0, T, step):
-        n = min(step, T - i)
-        zc, e = z[i:i + n], buf[:n]
-        top, ix = zc.topk(min(kk + 1, V), dim=1)
-        top = top.to(dt)
-        if kk < V: theta[i:i + n] = top[:, kk]
-        top, ix, th = top[:, :kk], ix[:, :kk], theta[i:i + n, None]
-        torch.sub(zc, top[:, :1], out=e).clamp_(min=floor).exp_()   # exp(z − max), never subnormal: one pass gives both sums
-        s1, inS = e.sum(1), top > th                                  # S_t: the top entries above θ_t
-        e.scatter_(1, ix, e.gather(1, ix).masked_fill_(inS, 0.0))     # S_t's entries out: the tail is left
-        tail[i:i + n] = e.square_().sum(1) / (s1 * s1)                # Σ_{v ∉ S} p_v²: no cancellation
-        lse[i:i + n] = top[:, 0] + s1.log()
-        vals[i:i + n] = torch.where(inS, (top - lse[i:i + n, None]).exp(), torch.zeros_like(top))
-        idx[i:i + n] = ix
-    return TopSplit(lse, vals, idx, theta, tail)
+        j = min(T, i + step)
+        torch.clamp(z[i:j], min=e.top[i:j, :1] + floor, out=c[:j - i])        # exponents ≥ ln(tiny) + 1: never a subnormal exp
+        q = torch.ops.aten._softmax.out(c[:j - i], 1, False, out=p[:j - i])
+        ix, s = e.index[i:j], inS[i:j]
+        lse[i:j] = e.top[i:j, 0] - q.gather(1, ix[:, :1])[:, 0].log()        # p at the max is 1 / Σ_v exp(z_v − max z)
+        vals[i:j] = q.gather(1, ix).masked_fill_(~s, 0.0)
+        q.scatter_(1, ix, q.gather(1, ix).masked_fill_(s, 0.0))              # S_t's entries out: the tail is left
+        tail[i:j] = torch.linalg.vector_norm(q, dim=1).square()              # Σ_{v ∉ S} p_v², summed directly: no cancellation
+    return TopSplit(lse, vals, e.index, e.theta, tail)
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
 def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:

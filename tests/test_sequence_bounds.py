@@ -99,13 +99,14 @@ def test_sequence_loss_with_a_topk_gram_keeps_the_budget_and_options_check_the_n
     with pytest.raises(ValueError, match="gram must be 'auto'"): sequence_loss(z, h, y, gram='exact')
 
 
-@pytest.mark.parametrize('chunk', [1, 7, 40, 1 << 23])
-def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk):
-    "pair_sums walks the tokens s in chunks of _CHUNK_ELEMENTS // max(u, T); chunks that end inside a row must add up to one pass."
+@pytest.mark.parametrize('chunk,rows', [(1, 1), (7, 3), (40, 7), (60, 19 * 20), (1 << 23, 19)])
+def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk, rows):
+    "pair_sums walks the tokens s in chunks of _CHUNK_ELEMENTS // max(u, T), the top-k search and the softmax the rows in chunks of _PASS_ELEMENTS // V; chunks that end inside a row must add up to one pass."
     import capskip.sequence_bounds as sb
     z, y, h = batch(11, B=4, L=5, V=19)
     whole = topk_gram_bounds(z, y, h, k=3)
     monkeypatch.setattr(sb, '_CHUNK_ELEMENTS', chunk)
+    monkeypatch.setattr(sb, '_PASS_ELEMENTS', rows)
     parts = topk_gram_bounds(z, y, h, k=3)
     for a, b in zip(whole, parts): torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
     G, K = exact_gram(z, y, h, True)
@@ -135,3 +136,26 @@ def test_half_precision_logits_are_bounded_in_float32():
     _, K = exact_gram(zb.double(), y, h.float().double(), True)
     tol = 1e-5 * K.abs().max()
     assert lo.dtype == torch.float64 and bool((lo <= K + tol).all()) and bool((K <= up + tol).all())
+
+
+@pytest.mark.parametrize('V', [64 * 17, 64 * 17 + 1, 1000, 4099])
+def test_block_topk_finds_the_exact_top_values_with_ties_and_minus_infinity(V):
+    "The top k + 1 values by block maxima equal torch.topk's, and the columns hold them, with ties, −inf entries and a short last block."
+    import math
+    from capskip.sequence_bounds import block_topk, top_entries, top_split
+    g = torch.Generator().manual_seed(V)
+    z = (torch.randn(6, V, generator=g) * 2).round()                          # integers: many ties, also at θ
+    z[0, :V // 2] = -math.inf; z[1, -3:] = 9.0                               # masked columns; the maximum in the short last block
+    z[2] = 0.0                                                               # every entry tied
+    for k in (1, 5, 16):
+        top, ix = block_topk(z, k + 1)
+        torch.testing.assert_close(top, z.topk(k + 1, dim=1).values, rtol=0, atol=0)
+        assert bool((z.gather(1, ix) == top).all()) and bool((ix < V).all())
+        assert all(len(set(r)) == k + 1 for r in ix.tolist())                 # distinct columns
+        e, ref = top_entries(z, k, torch.float32), z.topk(k + 1, dim=1).values
+        assert torch.equal(e.theta, ref[:, k]) and torch.equal(e.top, ref[:, :k])
+    sp, p = top_split(z.double(), 5, torch.float64), torch.softmax(z.double(), 1)   # the float64 brute force of S and ‖T‖²
+    S = torch.zeros_like(p).scatter_(1, sp.index, sp.values)
+    torch.testing.assert_close(S, torch.where(z.double() > sp.theta[:, None], p, 0.0), rtol=1e-14, atol=0)
+    torch.testing.assert_close(sp.tail_sq, (p - S).square().sum(1), rtol=1e-13, atol=0)
+    torch.testing.assert_close(sp.lse, torch.logsumexp(z.double(), 1), rtol=1e-15, atol=1e-15)
