@@ -56,13 +56,14 @@ def ce_residuals(logits: Tensor,  # [B, C] logits of the final layer, any float 
                  targets: Tensor,  # [B] integer class labels in [0, C), or [B, C] class probabilities
                  label_smoothing: float = 0.0,  # the ε of `cross_entropy(label_smoothing=ε)`
                  check_values: bool | None = None,  # check label range / finiteness (default: on CPU only)
-                ) -> Tensor:  # [B, C] float32, `softmax(z) − y`
+                 dtype: torch.dtype = torch.float32,  # the result's: float32 (the selector's), float64 for a float64 model's exact gradient
+                ) -> Tensor:  # [B, C] `dtype`, `softmax(z) − y`
     "Per-row gradient of cross-entropy w.r.t. the logits, `softmax(z) − y`, with torch's label-smoothed target `y`."
     check_logits_targets(logits, targets, label_smoothing, check_values)
     B, C = logits.shape
-    z = logits.detach().float()
+    z = logits.detach().to(dtype)
     eps = float(label_smoothing)
-    if targets.dtype.is_floating_point: y = targets.detach().float() * (1.0 - eps) + eps / C
+    if targets.dtype.is_floating_point: y = targets.detach().to(dtype) * (1.0 - eps) + eps / C
     else: y = torch.full_like(z, eps / C).scatter(1, targets.long()[:, None], 1.0 - eps + eps / C)
     return torch.softmax(z, dim=1) - y
 

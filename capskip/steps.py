@@ -108,13 +108,13 @@ def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights:
     B = logits.shape[0]
     logits = at_least_float32(logits.detach()) / temperature        # half/bf16 logits up to float32; float64 stays
     y = y.to(logits.device)
-    w = torch.ones(B, device=logits.device) if weights is None else weights.detach().to(logits.device, torch.float32)
+    w = torch.ones(B, dtype=logits.dtype, device=logits.device) if weights is None else weights.detach().to(logits.device, logits.dtype)
     counted = ignored = None                                         # rows in the loss: all, unless labels are ignored
     if not y.is_floating_point():
         if y.dtype != torch.long: y = y.long()                       # int32/uint8 labels
         ignored = y == ignore_index                                  # F.cross_entropy's ignore_index (HF pads with -100)
         y, w, counted = torch.where(ignored, 0, y), torch.where(ignored, 0.0, w), (~ignored).sum()
-    res = ce_residuals(logits, y, label_smoothing)                   # softmax(z) − y: the step's one softmax
+    res = ce_residuals(logits, y, label_smoothing, dtype=logits.dtype)   # softmax(z) − y: the step's one softmax (float64 stays)
     losses = F.cross_entropy(logits, y, reduction='none', label_smoothing=label_smoothing)
     if rule is None:
         d, distortion = Decision(w, torch.zeros(B, dtype=torch.bool, device=w.device)), w.new_zeros(())
@@ -145,7 +145,7 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
     if d.lastfix is not None:
         fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
         extra = ((fix, torch.ones_like(fix)),)
-    kept = engine.backward(fwd, res * (d.applied / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
+    kept = engine.backward(fwd, res * (d.applied.to(res.dtype) / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
     return StepStats(kept, B, distortion, losses.sum(), losses, d.applied, d.drop, correct, all_rows=fwd.all_rows)
 
 def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,

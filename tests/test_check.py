@@ -1,4 +1,5 @@
 "The gradient check (`capskip.engine.check`): every mode exact on a small model, refusals, the error metric, the shared reference."
+import copy
 import math
 
 import pytest
@@ -150,3 +151,37 @@ def test_soft_targets_in_the_reference():
     ref = autograd_grads(model, x, soft, label_smoothing=0.1)
     F.cross_entropy(model(x), soft, label_smoothing=0.1).backward()
     assert grad_errors(model_grads(model), ref)[0] <= 1e-6
+
+
+def test_float64_weights_are_not_rounded_in_the_reference():
+    "autograd_grads on a float64 model with weights not representable in float32 (1/3, 1e-9 + 1): the float64 closed form to 1e-15."
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    w = torch.tensor([1 / 3, 1 + 1e-9, 0.1, 2 / 7, 0.0], dtype=torch.float64)
+    got = autograd_grads(lin, x, y, weights=w)
+    r = (torch.softmax(lin(x), 1) - F.one_hot(y, 3).double()) * (w / 5)[:, None]        # d/dz of (1/B) Σ w_i CE_i
+    torch.testing.assert_close(got['weight'], (r.T @ x).detach(), rtol=1e-15, atol=1e-17)
+    rounded = (torch.softmax(lin(x), 1) - F.one_hot(y, 3).double()) * (w.float().double() / 5)[:, None]
+    assert float((got['weight'] - (rounded.T @ x).detach()).abs().max()) > 1e-12      # the control: float32 weights differ
+
+
+def test_a_float64_models_step_gradient_is_float64():
+    "The fused step (`CAPSkip.step`, one label per row) and `ce_grad_logits` on float64 logits: plain float64 autograd to 1e-15, not float32's 1e-8."
+    import capskip
+    from capskip.engine.facade import ce_grad_logits
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)
+    z = net(x).detach()
+    want = (torch.softmax(z, 1) - F.one_hot(y, 3).double()) / 12
+    got = ce_grad_logits(z, y)
+    assert got.dtype == torch.float64 and float((got - want).abs().max()) <= 1e-17
+    for smoothing in (0.0, 0.1):
+        m = copy.deepcopy(net)
+        stats = capskip.CAPSkip(m, budget=0.3, mode='reuse', label_smoothing=smoothing).step(x, y)
+        ref = autograd_grads(net, x, y, weights=stats.applied.double(), label_smoothing=smoothing)
+        assert 0 < int(stats.kept) < 12
+        assert max(grad_errors(model_grads(m), ref)) <= 1e-14

@@ -59,11 +59,13 @@ def test_ce_grad_logits_matches_autograd_float64():
     w = torch.rand(7, dtype=torch.float64, generator=g)
     (F.cross_entropy(z, t, reduction='none', label_smoothing=0.2) * w).sum().div(5.0).backward()
     got = ce_grad_logits(z, t, w, denominator=5.0, label_smoothing=0.2)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), z.grad, rtol=1e-5, atol=1e-7)
+    assert got.dtype == torch.float64                         # float64 logits: a float64 gradient, not float32's 1e-8
+    torch.testing.assert_close(got, z.grad, rtol=1e-14, atol=1e-16)
     z.grad = None
     F.cross_entropy(z, t).backward()                          # defaults: weights 1, denominator B
-    torch.testing.assert_close(ce_grad_logits(z, t).double(), z.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ce_grad_logits(z, t), z.grad, rtol=1e-14, atol=1e-16)
+    zh = z.detach().to(torch.bfloat16)                        # narrower logits: a float32 gradient
+    assert ce_grad_logits(zh, t).dtype == torch.float32
 
 
 @pytest.mark.parametrize('mode', ['dense', 'masked', 'reforward'])

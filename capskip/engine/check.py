@@ -53,7 +53,7 @@ def autograd_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weights: 
                                  ignore_index=IGNORE_INDEX).view(y.shape).sum(1)
         count = (y != IGNORE_INDEX).sum().clamp_min(1)
     else: losses, count = F.cross_entropy(z, y, reduction='none', label_smoothing=label_smoothing), len(y)
-    if weights is not None: losses = losses * weights.float()
+    if weights is not None: losses = losses * weights   # promoted, never rounded: float64 weights stay float64
     losses.sum().div(count if denominator is None else denominator).backward()
     return model_grads(ref)
 

@@ -64,7 +64,7 @@ def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: tor
                    denominator: float | None = None, label_smoothing: float = 0.0,
                    residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
-    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits` (`rows`: only theirs)."
+    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 or the logits' float64 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits` (`rows`: only theirs)."
     if logits.ndim == 3 and residuals is None and label_smoothing == 0.0:
         return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index, rows)
     if logits.ndim != 2:
@@ -77,12 +77,13 @@ def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: tor
     if not 0.0 <= label_smoothing < 1.0: raise ValueError(f'label_smoothing must be in [0, 1), got {label_smoothing}')
     den = float(B if denominator is None else denominator)
     if den <= 0: raise ValueError(f'denominator must be > 0, got {denominator}')
-    if residuals is None: residuals = ce_residuals(logits, targets, label_smoothing, check_values=False)
+    dt = torch.promote_types(logits.dtype, torch.float32)          # fp16/bf16 logits: float32; float64 stays float64
+    if residuals is None: residuals = ce_residuals(logits, targets, label_smoothing, check_values=False, dtype=dt)
     elif residuals.shape != logits.shape:
         raise ValueError(f'residuals must have the logits shape {tuple(logits.shape)}, got {tuple(residuals.shape)}')
-    scale = (torch.full((B,), 1.0 / den, device=logits.device) if row_weights is None
-             else row_weights.detach().float() / den)
-    return residuals.float() * scale[:, None]
+    scale = (torch.full((B,), 1.0 / den, dtype=dt, device=logits.device) if row_weights is None
+             else row_weights.detach().to(dt) / den)
+    return residuals.to(dt) * scale[:, None]
 
 # %% ../../nbs/01g_facade.ipynb #62225b99
 EXECUTORS = Registry('execution mode', lister='`capskip.engine.EXECUTORS.list()`')
