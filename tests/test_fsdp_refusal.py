@@ -6,7 +6,12 @@ FSDP2's own post-backward; controls (each rank's unreduced gradient, every row k
 float64 `tiny_gpt`, -100 on padding, `reuse`): each rank normalises by its own labelled tokens N_r (`sequence_loss`'s
 default), so the gradient is (1/W) Σ_r (1/N_r) Σ_kept Σ_t ∇CE, not the global-N one (Σ_r Σ_kept / Σ_r N_r). Refused by name, whatever
 `ddp_check` says: FSDP1 (`FullyShardedDataParallel`) as the wrapper passed in or applied afterwards, `fully_shard` on
-a submodule only, and a model sharded after `CAPSkip`/`Engine` was built (refused at its first forward)."""
+a submodule only, and a model sharded after `CAPSkip`/`Engine` was built (refused at its first forward). Two more ways users shard: under a
+bf16 `MixedPrecisionPolicy` (parameters gathered in bf16, gradients reduced in float32) every mode gives plain FSDP2's
+gradient of the kept rows, to bf16's own distance from the float64 gradient; under accumulation with
+`set_requires_gradient_sync(False)` on the first micro-batch, the float64 sum of the micro-batches' gradients, as plain
+FSDP2 accumulates them (the fused step missed this by 3e-8 while it rounded a float64 model's residuals and weights to
+float32)."""
 import textwrap
 
 import pytest
@@ -154,6 +159,54 @@ WORKER = textwrap.dedent('''
                 dtensor=all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in m.parameters()),
                 traces=[type(t).__name__ for t in cached_traces(m)])
             ids = torch.roll(ids, 1, 1)                          # a second batch: the ids rolled, the same labels
+    # bf16 mixed precision (float32 parameters gathered in bf16, gradients reduced in float32), then accumulation
+    # without sync on the first micro-batch (float64), on the residual blocks above
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    def sharded_from(base, **kw):
+        m = copy.deepcopy(base)
+        for block in m.blocks: fully_shard(block, mesh=mesh, **kw)
+        fully_shard(m, mesh=mesh, **kw)
+        return m
+    def exact(x, y, w, reduce=True):
+        "float64 plain autograd of (1/B) Σ w_i CE on this rank's rows x, y; with reduce, the ranks' mean."
+        twin = copy.deepcopy(net)
+        (F.cross_entropy(twin(x.double()), y, reduction='none') * w.double()).sum().div(B).backward()
+        ref = {n: p.grad.detach().clone() for n, p in twin.named_parameters()}
+        for v in ref.values():
+            if reduce: tdist.all_reduce(v); v /= W
+        return ref
+    net32, mp = copy.deepcopy(net).float(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for mode in ('reuse', 'masked', 'reforward'):
+        m, plain = sharded_from(net32, mp_policy=mp), sharded_from(net32, mp_policy=mp)
+        skip = capskip.CAPSkip(m, budget=0.3, mode=mode)
+        skip.loss(skip(xs.float()), ys).backward()
+        w = skip.last.applied.float()
+        got = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        (F.cross_entropy(plain(xs.float()).float(), ys, reduction='none') * w).sum().div(B).backward()   # plain FSDP2
+        ref = {n: p.grad.full_tensor() for n, p in plain.named_parameters()}
+        res[f'mp {mode}'] = dict(kept=int(skip.last.kept), err=grad_errors(got, ref), bf16=grad_errors(ref, exact(xs, ys, w)),
+                                 every_row=grad_errors(got, exact(xs, ys, torch.ones(B))),
+                                 dtypes=sorted({str(p.grad.dtype) for p in m.parameters()}))
+    xs2 = torch.randn(B, 6, generator=g, dtype=torch.float64)
+    with torch.no_grad(): ys2 = net(xs2).argmax(1)
+    ys2[:4] = torch.randint(0, 4, (4,), generator=g)
+    batches = [(xs, ys), (xs2, ys2)]
+    for mode in ('reuse', 'masked'):
+        m, plain = sharded_from(net), sharded_from(net)
+        skip, ws = capskip.CAPSkip(m, budget=0.3, mode=mode), []
+        for i, (x, y) in enumerate(batches):             # no sync on the first micro-batch, as with accumulation
+            m.set_requires_gradient_sync(i == 1); plain.set_requires_gradient_sync(i == 1)
+            if i == 0: skip.loss(skip(x), y).backward()
+            else: skip.step(x, y)
+            ws.append(skip.last.applied.double())
+            (F.cross_entropy(plain(x), y, reduction='none') * ws[-1]).sum().div(B).backward()   # plain FSDP2, the same
+        got = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        fsdp = {n: p.grad.full_tensor() for n, p in plain.named_parameters()}
+        refs = [exact(x, y, w) for (x, y), w in zip(batches, ws)]
+        both = {n: refs[0][n] + refs[1][n] for n in refs[0]}
+        res[f'accum {mode}'] = dict(kept=[int((w > 0).sum()) for w in ws], err=grad_errors(got, both), plain=grad_errors(got, fsdp),
+                                    plain_vs_exact=grad_errors(fsdp, both), last_only=grad_errors(got, refs[1]),
+                                    every_row=grad_errors(got, exact(xs2, ys2, torch.ones(B))))
     res['warnings'] = [f'{w.category.__name__}: {w.message}' for w in seen
                        if issubclass(w.category, RuntimeWarning) or 'FSDP2' in str(w.message)]
     torch.save(res, f'{out}/rank{r}.pt')
@@ -221,3 +274,25 @@ def test_fsdp2_sequence_rows_are_the_ranks_average_of_each_ranks_per_token_loss(
 
 def test_fsdp2_runs_without_fallback_or_view_warnings(ranks):
     assert [rank['warnings'] for rank in ranks] == [[], []]
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'masked', 'reforward'])
+def test_bf16_mixed_precision_matches_plain_fsdp2_to_bf16_rounding(ranks, mode):
+    for rank in ranks:
+        case = rank[f'mp {mode}']
+        assert 0 < case['kept'] < 16, case                       # some rows dropped, some kept
+        assert case['dtypes'] == ['torch.float32'], case          # the sharded gradient stays in the parameters' dtype
+        bf16 = max(case['bf16'])                                  # plain bf16 FSDP2 against the float64 gradient
+        assert 1e-4 < bf16 < 0.1, case                            # bf16 rounds: a visible, bounded error
+        assert max(case['err']) <= 2 * bf16, case                 # capskip is no further from plain FSDP2 than bf16 itself
+        assert min(case['every_row']) > 10 * bf16, case           # the control: every row kept is far off
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'masked'])
+def test_accumulation_without_sync_sums_the_micro_batches(ranks, mode):
+    for rank in ranks:
+        case = rank[f'accum {mode}']
+        assert all(0 < k < 16 for k in case['kept']), case
+        assert max(case['err']) <= 1e-12 and max(case['plain']) <= 1e-12, case   # the float64 sum, and plain FSDP2's accumulation
+        assert max(case['plain_vs_exact']) <= 1e-12, case                       # the reference is FSDP2's own result
+        assert min(case['last_only']) > 1e-3 and min(case['every_row']) > 1e-3, case   # the controls differ
