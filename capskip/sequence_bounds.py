@@ -26,7 +26,7 @@ __all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
 _CHUNK_ELEMENTS = 1 << 23  # p_s[v] gathered per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
-_PASS_ELEMENTS = 1 << 21   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, cache-sized)
+_PASS_ELEMENTS = 1 << 21   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
 _BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
 
 def block_topk(zc: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -75,7 +75,7 @@ def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
     for i in range(0, T, step):
         j = min(T, i + step)
         torch.clamp(z[i:j], min=e.top[i:j, :1] + floor, out=c[:j - i])        # exponents ≥ ln(tiny) + 1: never a subnormal exp
-        q = torch.ops.aten._softmax.out(c[:j - i], 1, False, out=p[:j - i])
+        q = torch.ops.aten._softmax.out(c[:j - i], 1, False, out=p[:j - i])   # torch.softmax into a reused buffer
         ix, s = e.index[i:j], inS[i:j]
         lse[i:j] = e.top[i:j, 0] - q.gather(1, ix[:, :1])[:, 0].log()        # p at the max is 1 / Σ_v exp(z_v − max z)
         vals[i:j] = q.gather(1, ix).masked_fill_(~s, 0.0)

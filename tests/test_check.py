@@ -168,7 +168,7 @@ def test_float64_weights_are_not_rounded_in_the_reference():
 
 
 def test_a_float64_models_step_gradient_is_float64():
-    "The fused step (`CAPSkip.step`, one label per row) and `ce_grad_logits` on float64 logits: plain float64 autograd to 1e-15, not float32's 1e-8."
+    "The fused step (`CAPSkip.step`, one label per row) and `ce_grad_logits` on float64 logits: plain float64 autograd to 1e-14, not float32's 1e-8; float64 row weights stay float64."
     import capskip
     from capskip.engine.facade import ce_grad_logits
     torch.manual_seed(0)
@@ -185,3 +185,7 @@ def test_a_float64_models_step_gradient_is_float64():
         ref = autograd_grads(net, x, y, weights=stats.applied.double(), label_smoothing=smoothing)
         assert 0 < int(stats.kept) < 12
         assert max(grad_errors(model_grads(m), ref)) <= 1e-14
+    w = torch.full((12,), 1 / 3, dtype=torch.float64)                  # the user's float64 row weights, not float32's 1/3
+    stats = capskip.CAPSkip(copy.deepcopy(net), budget=0.3, mode='reuse').step(x, y, weights=w)
+    kept = stats.applied > 0
+    assert 0 < int(kept.sum()) < 12 and stats.applied.dtype == torch.float64 and bool((stats.applied[kept] == 1 / 3).all())
