@@ -313,3 +313,32 @@ def test_take_rows_of_a_value_that_requires_grad():
     got.sum().backward()
     assert t.grad.sum() == 3 * 6
 
+
+
+@pytest.mark.parametrize('stages', [8, 1])
+def test_reuse_hands_its_gradients_to_autograd_without_a_copy(monkeypatch, stages):
+    "AccumulateGrad takes a gradient as .grad without cloning it only when nothing else holds it: no frame of the staged backward may keep one (they did: most were cloned, +1 gradient-sized copy per stage)."
+    model = tiny_cnn()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, 5, (B,), generator=g)
+    w = (torch.arange(B) % 3 != 0).float()                       # k = 5 of 8: the sliced graph
+    produced = set()
+    def spy(fn):
+        def run(*args):
+            grads = fn(*args)
+            produced.update(t.data_ptr() for t in grads if t is not None)   # addresses only: no reference kept
+            return grads
+        return run
+    monkeypatch.setattr(reuse, 'STAGES', stages)
+    monkeypatch.setattr(reuse, '_stage_aligned', spy(reuse._stage_aligned))
+    monkeypatch.setattr(reuse, '_aligned', spy(reuse._aligned))
+    engine = Engine(model, 'reuse')
+    model.zero_grad(set_to_none=True)
+    engine.loss_backward(engine.forward(x), y, w)
+    staged = [key for key in engine.executor.staged if len(key[2]) > 1]
+    assert bool(staged) == (stages > 1)                          # 8: the backward ran in stages (its plan is cached)
+    params = [p for p in model.parameters()]
+    assert all(p.grad is not None for p in params)
+    assert all(p.grad.data_ptr() in produced for p in params), sum(p.grad.data_ptr() in produced for p in params)
+    ref = autograd_grads(model, x, y, w, denominator=B)
+    assert grad_errors({n: p.grad for n, p in model.named_parameters()}, ref)[0] <= 1e-5

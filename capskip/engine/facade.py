@@ -180,9 +180,9 @@ def _stepped(stages, modules: list[nn.Module]):
     "The items of the iterator `stages`, each computed under `fsdp2_hooks_off(modules)`."
     while True:
         with fsdp2_hooks_off(modules):
-            try: item = next(stages)
+            try: handed = [next(stages)]
             except StopIteration: return
-        yield item
+        yield handed.pop()                               # no reference stays here: autograd takes the gradients without a copy
 
 def _hooks_off(fn, modules: list[nn.Module]):
     "`fn` run under `fsdp2_hooks_off(modules)` (an executor's backward: reforward's second forward runs the modules), each step of it when it returns a generator."

@@ -71,6 +71,15 @@ def _aligned(slots: list, grads, params: list) -> list:
         out[slot] = g if g.dtype == p.dtype else g.to(p.dtype)
     return out
 
+def _stage_aligned(outs: dict, slots: list, params: list, group: list[int]) -> list:
+    "One stage's outputs ({output position: gradient}) as the gradients of `group` (indices into `params`), each in its parameter's dtype."
+    got = {}
+    for j, g in outs.items():
+        if j < len(slots) and slots[j] is not None and g is not None:
+            p = params[slots[j]][1]
+            got[slots[j]] = g if g.dtype == p.dtype else g.to(p.dtype)
+    return [got.get(i) for i in group]
+
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
 def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
     "What the sliced backward takes kept rows from, each (tensor, layout): every shared storage once as a [B, S] block when `grouped`, then every other row-carrying saved value."
@@ -262,10 +271,6 @@ class Reuse(Executor):
         slots = self.slots(st.traced, params)
         key = (id(graph), tuple(name for name, _ in params), tuple(map(tuple, groups)))
         if key not in self.staged: self.staged[key] = split_stages(graph, slots, groups)
-        for s, outs in enumerate(run_stages(self.staged[key], args, grad_logits.device.type)):
-            got = {}
-            for j, g in outs.items():
-                if j < len(slots) and slots[j] is not None and g is not None:
-                    p = params[slots[j]][1]
-                    got[slots[j]] = g if g.dtype == p.dtype else g.to(p.dtype)
-            yield [got.get(i) for i in groups[s]]
+        stages = run_stages(self.staged[key], args, grad_logits.device.type)
+        for group in groups:                             # each stage's gradients straight out: this frame keeps none of them
+            yield _stage_aligned(next(stages), slots, params, group)

@@ -74,6 +74,8 @@ def split_stages(bw: fx.GraphModule, slots: list, groups: list[list[int]]) -> St
     stage = {}
     for i, n in enumerate(nodes[:-1]):
         stage[n] = -1 if n.op == 'placeholder' else next(s for s, c in enumerate(cuts) if i <= c)
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and stage[n.args[0]] >= 0:   # a multi-output op's items stay in its stage:
+            stage[n] = stage[n.args[0]]                   # a tuple carried on would hold them all (autograd copies a held gradient)
     yields = [[(j, o if isinstance(o, fx.Node) else None) for j, (o, t) in enumerate(zip(outs, at)) if t == s]
               for s in range(len(groups))]
     inputs = [sorted({a for n in nodes[:-1] if stage[n] == s for a in n.all_input_nodes if stage[a] < s}, key=pos.get)
@@ -101,7 +103,7 @@ def run_stages(plan: StagedBackward, args: list, device_type: str):
         if graph is not None:
             with torch.no_grad(), torch.autocast(device_type, enabled=False):
                 env.update(zip(exports, graph(ins)))
-        out = {j: None if o is None else env[o] for j, o in plan.yields[s]}
+        handed = [{j: None if o is None else env[o] for j, o in plan.yields[s]}]
         for o in yielded:
             if plan.last[o] == s: env.pop(o, None)
-        yield out
+        yield handed.pop()                               # no reference stays here: autograd takes the gradients without a copy
