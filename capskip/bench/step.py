@@ -104,7 +104,7 @@ class StepRunner:
         self.model, self.x, self.y, self.budget, self.compile, self.gram = model, x, y, budget, bool(compile), gram
         self.engines = {m: Engine(model, m, compile=self.compile) for m in MODES}
         self.engines['kept_only'] = Engine(model, 'dense', compile=self.compile)   # its own compiled graphs (dynamic in k)
-        self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)   # the step's arithmetic, no drift (see above)
         self.gen = torch.Generator().manual_seed(seed)
         self.device = x.device
 
