@@ -179,7 +179,7 @@ def bench_head_grad(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: in
     from capskip.steps import sequence_step
     x, y = token_batch(B, L, model.tok.num_embeddings, seed, device)
     features, model.features = model.features, False     # the engines read the head's input themselves: logits only
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)    # the step's arithmetic, weights fixed: every round times one model
     masked, dense_engine, kept = Engine(model, mode='masked'), Engine(model, mode='dense'), []
     def step(fn):
         def run():
