@@ -73,12 +73,8 @@ def _aligned(slots: list, grads, params: list) -> list:
 
 def _stage_aligned(outs: dict, slots: list, params: list, group: list[int]) -> list:
     "One stage's outputs ({output position: gradient}) as the gradients of `group` (indices into `params`), each in its parameter's dtype."
-    got = {}
-    for j, g in outs.items():
-        if j < len(slots) and slots[j] is not None and g is not None:
-            p = params[slots[j]][1]
-            got[slots[j]] = g if g.dtype == p.dtype else g.to(p.dtype)
-    return [got.get(i) for i in group]
+    got = _aligned(slots, [outs.get(j) for j in range(len(slots))], params)
+    return [got[i] for i in group]
 
 # %% ../../nbs/01f_reuse.ipynb #5a7e0b1c
 def gather_sources(state: ReuseState, grouped: bool = True) -> list[tuple[torch.Tensor, tuple]]:
