@@ -61,8 +61,9 @@ def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: 
 
 # %% ../nbs/00d_sequence.ipynb #33a9357f
 def exp_floor(dt: torch.dtype) -> float:
-    "The exponent every `exp` of a softmax here is clamped at: ln(tiny) + 1 of `dt`, so exp never returns a subnormal (a slow path on CPUs)."
-    return math.log(torch.finfo(dt).tiny) + 1.0
+    "The exponent every `exp` of a softmax here is clamped at: ln(2^p·tiny) + 1 of `dt` (p significand bits), so neither exp nor its product with a factor ≥ 2^-p is subnormal (slow paths on CPUs)."
+    fi = torch.finfo(dt)
+    return math.log(2 * fi.tiny / fi.eps) + 1.0                # 2/eps = 2^p
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
     "float64 inputs stay float64; fp32/bf16/fp16 are computed in fp32."

@@ -74,7 +74,7 @@ def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
     c, p = torch.empty(2, min(step, T), V, dtype=dt, device=z.device).unbind(0)   # two reused chunks: no [T, V] temporary
     for i in range(0, T, step):
         j = min(T, i + step)
-        torch.clamp(z[i:j], min=e.top[i:j, :1] + floor, out=c[:j - i])        # exponents ≥ ln(tiny) + 1: never a subnormal exp
+        torch.clamp(z[i:j], min=e.top[i:j, :1] + floor, out=c[:j - i])        # exponents ≥ the floor: no subnormal exp or product
         q = torch.ops.aten._softmax.out(c[:j - i], 1, False, out=p[:j - i])   # torch.softmax into a reused buffer
         ix, s = e.index[i:j], inS[i:j]
         lse[i:j] = e.top[i:j, 0] - q.gather(1, ix[:, :1])[:, 0].log()        # p at the max is 1 / Σ_v exp(z_v − max z)
@@ -105,6 +105,7 @@ def pair_sums(zf: Tensor, sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L
     T, dev, dt = zf.shape[0], zf.device, h.dtype
     B, acc, floor = T // L, gram_dtype(dev), exp_floor(dt)
     U, S, ypos = columns
+    cols, vals = S.col_indices().view(T, -1), S.values().view(T, -1)   # each token's k positions in U and S_t's values there
     row, tail = torch.arange(T, device=dev) // L, sp.tail_sq.sqrt()   # each token's sequence; ‖T_t‖
     Z = torch.zeros(B, B, dtype=acc, device=dev)
     W = torch.zeros(2, B, B, dtype=acc, device=dev)
@@ -112,11 +113,11 @@ def pair_sums(zf: Tensor, sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
         P = zf[s0:s1].T.index_select(0, U).to(dt)                   # [u, s-chunk]: z_s[v] at the columns U
-        outside = P <= sp.theta[None, s0:s1]                        # v ∉ S_s
         P.sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_()        # p_s[v]
         g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
         N = (S @ P).sub_(P.index_select(0, ypos)).mul_(g)            # (⟨S_t, p_s⟩ − p_s[y_t]) g
-        Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ P.masked_fill_(outside, 0.0)).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
+        P.zero_().scatter_(0, cols[s0:s1].T, vals[s0:s1].T)       # S_s over U: its k entries, 0 elsewhere (no compare pass)
+        Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ P).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
         Eg = tail[:, None] * tail[None, s0:s1] * g                   # e_ts g: 0 ≤ ⟨T_t, T_s⟩ ≤ e_ts
         per_row = lambda X: X.view(B, L, s1 - s0).sum(1, dtype=acc)  # [B, s-chunk]: summed over t ∈ i
         Z.index_add_(1, row[s0:s1], per_row(N))

@@ -185,3 +185,21 @@ def test_block_pass_chunk_width_is_capped_and_exact(monkeypatch):
     K32 = block_gram(z.float(), y, h.float(), True)             # fp32 control: close but not float64-exact
     e32 = errors(K32, G)[1]
     assert 0 < e32 < 1e-5, e32
+
+
+def test_wide_logits_leave_no_entry_whose_products_are_subnormal():
+    """Logits spread as an initialised LM's (std ≈ √768): every residual entry r of the block pass stays ≥ 2^-102 in
+    float32, so its products with factors ≥ 2^-24 are normal numbers (a subnormal product is a microcode path on Intel
+    CPUs: the block pass ran 20x slower with the old floor); the Gram still matches the float64 brute force."""
+    from capskip.sequence import _prepare, exp_floor, residual_chunks
+    tiny = torch.finfo(torch.float32).tiny
+    assert math.exp(exp_floor(torch.float32)) * 2**-24 >= tiny and math.exp(exp_floor(torch.float64)) * 2**-53 >= torch.finfo(torch.float64).tiny
+    g = torch.Generator().manual_seed(3)
+    z = 28 * torch.randn(2, 16, 300, generator=g)
+    y = torch.randint(0, 300, (2, 16), generator=g)
+    h = torch.randn(2, 16, 8, generator=g)
+    zz, yc, lse, off, _, _, dt = _prepare(z, y, h, True, -100, None)
+    R = torch.cat([R for _, R in residual_chunks(zz, yc, lse, off, dt, 64)], 1)
+    assert float(R.abs().min()) * 2**-24 >= tiny
+    err_max, err = errors(block_gram(z, y, h), row_grads_reference(z, y, h))
+    assert err_max < 1e-5 and err < 1e-5
