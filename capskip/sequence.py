@@ -61,8 +61,8 @@ def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: 
 
 # %% ../nbs/00d_sequence.ipynb #33a9357f
 def exp_floor(dt: torch.dtype) -> float:
-    "The exponent every `exp` of a softmax here is clamped at: ln(2^p·tiny) + 1 of `dt` (p significand bits), so neither exp nor its product with a factor ≥ 2^-p is subnormal (slow paths on CPUs)."
-    fi = torch.finfo(dt)
+    "The exponent every `exp` of a softmax here is clamped at: ln(2^p·tiny) + 1 of `dt` (p significand bits; fp16/bf16 take float32's, the dtype they are computed in), so neither exp nor its product with a factor ≥ 2^-p is subnormal (slow paths on CPUs)."
+    fi = torch.finfo(torch.promote_types(dt, torch.float32))    # float16's own would be ln(2^11·tiny) + 1 ≈ −1.1
     return math.log(2 * fi.tiny / fi.eps) + 1.0                # 2/eps = 2^p
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:

@@ -195,6 +195,7 @@ def test_wide_logits_leave_no_entry_whose_products_are_subnormal():
     from capskip.sequence import _prepare, exp_floor, residual_chunks
     tiny = torch.finfo(torch.float32).tiny
     assert math.exp(exp_floor(torch.float32)) * 2**-24 >= tiny and math.exp(exp_floor(torch.float64)) * 2**-53 >= torch.finfo(torch.float64).tiny
+    assert exp_floor(torch.float16) == exp_floor(torch.bfloat16) == exp_floor(torch.float32)   # half logits are computed in fp32: its floor, not fp16's ≈ −1.1
     g = torch.Generator().manual_seed(3)
     z = 28 * torch.randn(2, 16, 300, generator=g)
     y = torch.randint(0, 300, (2, 16), generator=g)
