@@ -9,8 +9,21 @@ import os
 # wall-clock with two threads and 9-16 s with one. Set before torch is imported; subprocesses the tests start inherit it.
 for _name in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'): os.environ.setdefault(_name, '1')
 
+import logging
+
 import pytest
 from hypothesis import settings
+
+
+class _SnapshotLoggers(dict):
+    """logging's table of loggers, whose `values()` is a snapshot. pytest iterates that table at every test phase
+    (`catching_logs`), while this session's background threads (the notebook kernels' clients, the docs build) create
+    loggers; a logger added during that loop ended a CI run with "RuntimeError: dictionary changed size during
+    iteration" (an INTERNALERROR, no test run). `list()` of a dict copies it without releasing the GIL."""
+    def values(self): return list(super().values())
+
+
+logging.Logger.manager.loggerDict = _SnapshotLoggers(logging.Logger.manager.loggerDict)
 
 settings.register_profile('ci', derandomize=True, print_blob=True)
 if os.environ.get('CI'):

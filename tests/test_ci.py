@@ -33,3 +33,29 @@ def test_ci_exit_status_is_the_test_commands(tmp_path, test_rc):
     assert '+ . .venv/bin/activate && echo pytest' in proc.stdout
     assert proc.returncode == test_rc, (proc.stdout, proc.stderr)
     assert ('no tests' in proc.stderr) == (test_rc == 5)
+
+
+def test_pytest_log_capture_survives_loggers_made_by_background_threads():
+    """conftest.py's snapshot table: while a thread creates loggers, as the notebook kernels' clients and the docs build
+    do during the suite, pytest's `catching_logs` iterates logging's table at every test phase. Without the snapshot
+    this raised "dictionary changed size during iteration" (a CI run at 1702eee ended that way, no test run)."""
+    import logging
+    import threading
+    from _pytest.logging import LogCaptureHandler, catching_logs
+    done, errors = threading.Event(), []
+    def make():
+        for i in range(20000): logging.getLogger(f'capskip.test_background.{i}').propagate = False
+        done.set()
+    t = threading.Thread(target=make)
+    t.start()
+    try:
+        while not done.is_set():
+            try:
+                with catching_logs(LogCaptureHandler()): pass
+            except RuntimeError as err:
+                errors.append(str(err)); break
+    finally:
+        done.wait(); t.join()
+        table = logging.Logger.manager.loggerDict          # the rest of the session should not carry 20000 loggers
+        for name in [n for n in table if n.startswith('capskip.test_background')]: del table[name]
+    assert not errors, errors
