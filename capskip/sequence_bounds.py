@@ -19,9 +19,9 @@ from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule
                               exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
-__all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split', 'pair_columns', 'GramBounds',
-           'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds', 'select_sequences_topk',
-           'parse_gram', 'select_sequences_with']
+__all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'chunk_entries', 'top_entries', 'TopSplit', 'top_split', 'pair_columns',
+           'GramBounds', 'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
+           'select_sequences_topk', 'parse_gram', 'select_sequences_with']
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
@@ -45,43 +45,45 @@ class TopEntries(NamedTuple):
     "Each token's k largest logits `top` (sorted) at `index`, and θ_t, the (k+1)-th largest (−∞ when k ≥ V)."
     top: Tensor; index: Tensor; theta: Tensor
 
+def chunk_entries(zc: Tensor, k: int, dt: torch.dtype) -> TopEntries:
+    "For a chunk [n, V] of logit rows: each row's top k + 1 logits by `block_topk` (k ≤ V)."
+    V = zc.shape[1]
+    t, ix = block_topk(zc, min(k + 1, V))
+    t = t.to(dt)
+    theta = t[:, k] if k < V else torch.full_like(t[:, 0], -math.inf)    # k = V: nothing in the tail
+    return TopEntries(t[:, :k], ix[:, :k], theta)
+
 def top_entries(z: Tensor, k: int, dt: torch.dtype) -> TopEntries:
     "For flat [T, V] logits, in row chunks: each token's top k + 1 logits by `block_topk`."
-    T, V = z.shape
-    kk = min(k, V)
-    top = torch.empty(T, kk, dtype=dt, device=z.device)
-    idx = torch.empty(T, kk, dtype=torch.long, device=z.device)
-    theta = torch.full((T,), -math.inf, dtype=dt, device=z.device)          # k ≥ V: nothing in the tail
-    step = max(1, _PASS_ELEMENTS // V)
-    for i in range(0, T, step):
-        t, ix = block_topk(z[i:i + step], min(kk + 1, V))
-        t = t.to(dt)
-        if kk < V: theta[i:i + step] = t[:, kk]
-        top[i:i + step], idx[i:i + step] = t[:, :kk], ix[:, :kk]
-    return TopEntries(top, idx, theta)
+    step = max(1, _PASS_ELEMENTS // z.shape[1])
+    parts = [chunk_entries(z[i:i + step], min(k, z.shape[1]), dt) for i in range(0, z.shape[0], step)]
+    return TopEntries(*(torch.cat(p) for p in zip(*parts)))
 
 class TopSplit(NamedTuple):
     "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`."
     lse: Tensor; values: Tensor; index: Tensor; theta: Tensor; tail_sq: Tensor
 
 def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
-    "For flat [T, V] logits: `top_entries`, then one softmax per row chunk for the log-sum-exp, S_t and ‖T_t‖² (summed directly)."
+    "For flat [T, V] logits, per row chunk while it is in cache: `chunk_entries`, then e = exp(z − max z) for the log-sum-exp, S_t and ‖T_t‖² (summed directly)."
     T, V = z.shape
-    e = top_entries(z, k, dt)
-    inS = e.top > e.theta[:, None]                                        # S_t: the top entries above θ_t (a tie goes to the tail)
-    lse, tail, vals = torch.empty(T, dtype=dt, device=z.device), torch.empty(T, dtype=dt, device=z.device), torch.zeros_like(e.top)
+    kk, dev = min(k, V), z.device
+    lse, tail, theta = (torch.empty(T, dtype=dt, device=dev) for _ in range(3))
+    vals, index = torch.empty(T, kk, dtype=dt, device=dev), torch.empty(T, kk, dtype=torch.long, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
-    c, p = torch.empty(2, min(step, T), V, dtype=dt, device=z.device).unbind(0)   # two reused chunks: no [T, V] temporary
+    c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
     for i in range(0, T, step):
         j = min(T, i + step)
-        torch.clamp(z[i:j], min=e.top[i:j, :1] + floor, out=c[:j - i])        # exponents ≥ the floor: no subnormal exp or product
-        q = torch.ops.aten._softmax.out(c[:j - i], 1, False, out=p[:j - i])   # torch.softmax into a reused buffer
-        ix, s = e.index[i:j], inS[i:j]
-        lse[i:j] = e.top[i:j, 0] - q.gather(1, ix[:, :1])[:, 0].log()        # p at the max is 1 / Σ_v exp(z_v − max z)
-        vals[i:j] = q.gather(1, ix).masked_fill_(~s, 0.0)
-        q.scatter_(1, ix, q.gather(1, ix).masked_fill_(s, 0.0))              # S_t's entries out: the tail is left
-        tail[i:j] = torch.linalg.vector_norm(q, dim=1).square()              # Σ_{v ∉ S} p_v², summed directly: no cancellation
-    return TopSplit(lse, vals, e.index, e.theta, tail)
+        e = chunk_entries(z[i:j], kk, dt)
+        theta[i:j], index[i:j], m = e.theta, e.index, e.top[:, :1]        # the max is the top-1 logit: no max pass
+        s = e.top > e.theta[:, None]                                      # S_t: the top entries above θ_t (a tie goes to the tail)
+        x = torch.sub(z[i:j], m, out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
+        total = x.sum(1, keepdim=True)                                    # Σ_v exp(z_v − max z) ≥ 1
+        lse[i:j] = (m + total.log())[:, 0]
+        top = x.gather(1, e.index)
+        vals[i:j] = (top / total).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
+        x.scatter_(1, e.index, top.masked_fill_(s, 0.0))                  # S_t's entries out: the tail is left
+        tail[i:j] = (torch.linalg.vector_norm(x, dim=1) / total[:, 0]).square()   # Σ_{v ∉ S} p_v², summed directly: no cancellation
+    return TopSplit(lse, vals, index, theta, tail)
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
 def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -121,3 +121,31 @@ def test_capskip_step_on_sequences_builds_the_kept_rows_gradient_only(monkeypatc
     assert stats.kept == 2 and handed == [(2, L, V)]
     top, rel = grad_errors(got['step'], got['loss'])
     assert top < 1e-6 and rel < 1e-6, (top, rel)
+
+
+@pytest.mark.parametrize('pass_elements', [1 << 21, 3 * 50 + 7])   # one chunk; chunks of 3 tokens that end inside rows
+def test_sequence_grad_logits_is_float64_autograds_on_wide_logits_without_subnormals(monkeypatch, pass_elements):
+    """The softmax runs in place, chunk by chunk, with exponents clamped at `exp_floor`: on float32 logits spread like an
+    initialised LM's (std 28, most of each row's far tail under e^-87) the result is float64 autograd's gradient of the
+    same loss (relative to its largest entry), no entry is subnormal, and the caller's logits are left as they were,
+    also when they are a non-contiguous slice (a causal LM's shifted logits)."""
+    import capskip.engine.facade as facade
+    monkeypatch.setattr(facade, '_PASS_ELEMENTS', pass_elements)
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(3, 6, 50, generator=g) * 28.0
+    z = full[:, :-1]                                                       # [3, 5, 50], not contiguous
+    y = torch.randint(0, 50, (3, 5), generator=g); y[0, :2] = -100; y[2] = -100
+    w = torch.tensor([1.0, 0.5, 2.0])
+    before = full.clone()
+    for rows in (None, torch.tensor([0, 1])):
+        got = sequence_grad_logits(z, y, w, rows=rows)
+        z64 = z.detach().double().requires_grad_(True)
+        tok = torch.nn.functional.cross_entropy(z64.reshape(-1, 50), y.reshape(-1), reduction='none').view(3, 5)
+        ((tok.sum(1) * w.double()).sum() / (y != -100).sum()).backward()
+        ref = z64.grad if rows is None else z64.grad.index_select(0, rows)
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+        nonzero = got[got != 0].abs()
+        assert float(nonzero.min()) >= torch.finfo(torch.float32).tiny     # no subnormal entry
+        assert (ref.abs() < 1e-40).any()                                   # the reference's far tail is (sub)normal-small: the clamp was needed
+    assert torch.equal(full, before)

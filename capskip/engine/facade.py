@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..checks import values_checked
 from ..core import ce_residuals
-from ..sequence import IGNORE_INDEX
+from ..sequence import IGNORE_INDEX, exp_floor
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
 from .inputs import ModelCall, pack_inputs
@@ -39,6 +39,8 @@ def check_token_labels(logits: torch.Tensor, labels, ignore_index: int = IGNORE_
                          f'({ignore_index} = ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape '
                          f'{tuple(getattr(labels, "shape", ()))}')
 
+_PASS_ELEMENTS = 1 << 21   # token rows per chunk of the softmax: [n, V] at most 2²¹ entries (8 MB in fp32), in cache through its passes
+
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
                          rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,9 +58,16 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
     dt = torch.promote_types(logits.dtype, torch.float32)
     z, w = logits.detach(), torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
     if rows is not None: z, y, mask, w = (t.index_select(0, rows) for t in (z, y, mask, w))   # the kept rows' gradient alone
-    res = torch.softmax(z.to(dt), -1)
-    res.scatter_add_(-1, torch.where(mask, y, 0)[..., None], -torch.ones_like(res[..., :1]))
-    return res.mul_((mask.to(dt) * (w / den).to(dt)[:, None])[..., None])   # in place: one [B, L, V] buffer, not two
+    res = z.to(dt, memory_format=torch.contiguous_format, copy=rows is None)   # the one [B, L, V] buffer, written in place
+    flat, floor = res.view(-1, V), exp_floor(dt)
+    scale = (mask.to(dt) * (w / den).to(dt)[:, None]).reshape(-1, 1)   # w_i/N per token, 0 where ignored
+    step = max(1, _PASS_ELEMENTS // V)
+    for i in range(0, flat.shape[0], step):                             # a chunk of rows stays in cache through its passes
+        x = flat[i:i + step]
+        x.sub_(x.amax(1, keepdim=True)).clamp_(min=floor).exp_()        # exp(z − max z), exponents ≥ the floor: never subnormal
+        x.mul_(scale[i:i + step] / x.sum(1, keepdim=True))              # (w_i/N) softmax(z)
+    flat.scatter_add_(1, torch.where(mask, y, 0).reshape(-1, 1), -scale)  # − (w_i/N) e_y
+    return res
 
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
