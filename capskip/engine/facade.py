@@ -44,7 +44,7 @@ _PASS_ELEMENTS = 1 << 21   # token rows per chunk of the softmax: [n, V] at most
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
                          rows: torch.Tensor | None = None) -> torch.Tensor:
-    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y), 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's)."
+    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y) with exponents clamped at `exp_floor`, 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's)."
     B, L, V = logits.shape
     check_token_labels(logits, labels, ignore_index)
     y = labels.to(logits.device).long()
@@ -61,7 +61,7 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
     res = z.to(dt, memory_format=torch.contiguous_format, copy=rows is None)   # the one [B, L, V] buffer, written in place
     flat, floor = res.view(-1, V), exp_floor(dt)
     scale = (mask.to(dt) * (w / den).to(dt)[:, None]).reshape(-1, 1)   # w_i/N per token, 0 where ignored
-    step = max(1, _PASS_ELEMENTS // V)
+    step = max(1, _PASS_ELEMENTS // V) if flat.device.type == 'cpu' else max(1, flat.shape[0])   # a GPU: one pass, few launches
     for i in range(0, flat.shape[0], step):                             # a chunk of rows stays in cache through its passes
         x = flat[i:i + step]
         x.sub_(x.amax(1, keepdim=True)).clamp_(min=floor).exp_()        # exp(z − max z), exponents ≥ the floor: never subnormal
