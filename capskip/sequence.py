@@ -268,9 +268,18 @@ def select_blocks_reference(G: Tensor, correct: Tensor, budget: float, weights: 
 
 # %% ../nbs/00d_sequence.ipynb #0b299651
 def token_correct(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
-    "Per row: labelled tokens, and labelled tokens whose argmax is the label (long [B] each)."
-    mask = labels != ignore_index
-    return mask.sum(1), ((logits.detach().argmax(-1) == labels) & mask).sum(1)
+    "Per row: labelled tokens, and labelled tokens whose argmax is the label (long [B] each); on a CPU by `amax`, with argmax itself only where the label attains the maximum."
+    mask, z = labels != ignore_index, logits.detach()
+    if z.device.type != 'cpu': return mask.sum(1), ((z.argmax(-1) == labels) & mask).sum(1)
+    V = z.shape[-1]
+    at = torch.where(mask, labels, torch.zeros_like(labels)).clamp(0, V - 1)   # any valid column; compared below
+    top = (z.gather(-1, at[..., None])[..., 0] == z.amax(-1)) & mask        # the label attains the maximum
+    zf, yf, hit = z.reshape(-1, V), labels.reshape(-1), torch.zeros_like(mask).view(-1)
+    rows, step = top.view(-1).nonzero().squeeze(1), max(1, (1 << 21) // V)   # argmax's tie rule there only, 2²¹ logits a chunk
+    for i in range(0, rows.numel(), step):
+        r = rows[i:i + step]
+        hit[r] = zf.index_select(0, r).argmax(-1) == yf[r]
+    return mask.sum(1), hit.view(mask.shape).sum(1)
 
 def candidate_rule(rule: str):
     "A rule name -> f(labelled [B], correct [B]) -> bool [B]: 'all_correct', 'all' or 'token_acc:τ' (τ in [0, 1])."

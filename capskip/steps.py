@@ -185,7 +185,8 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be token ids [B, L] = [{B}, {L}] aligned with the logits [B, L, V] ({ignore_index} = '
                          f'ignored; Hugging Face labels = input_ids: shift_labels=True), got shape {tuple(getattr(labels, "shape", ()))}')
-    z = at_least_float32(logits) / temperature
+    z = at_least_float32(logits)
+    if temperature != 1.0: z = z / temperature                      # no [B, L, V] copy at temperature 1
     y = labels.to(z.device)
     y = y.long() if not y.is_floating_point() else y              # a float y is refused by the check below
     w = torch.ones(B, device=z.device) if weights is None else weights.detach().to(z.device, torch.float32)

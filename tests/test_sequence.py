@@ -135,6 +135,25 @@ def test_candidate_rules():
     assert sequence_candidates(z, y, 'all').tolist() == [True, True, True]
 
 
+
+@pytest.mark.parametrize('V,dtype', [(9, torch.float32), (9, torch.bfloat16), (9, torch.float64), (1 << 19, torch.float32)])
+def test_token_correct_is_argmax_with_its_ties(monkeypatch, V, dtype):
+    "token_correct's amax path gives argmax's answer: ties at the maximum (the first column wins), rows of equal logits, every token correct, labels out of range or int32, chunks of the argmax rows (2²¹ logits: 4 rows at V = 2¹⁹)."
+    from capskip.sequence import token_correct
+    g = torch.Generator().manual_seed(V)
+    z = torch.randint(-2, 3, (3, 7, V), generator=g).to(dtype)
+    z[0, :3] = 0.0                                                       # equal logits: argmax is column 0
+    y = torch.randint(0, V, (3, 7), generator=g)
+    y[0, :2] = 0; y[1, :2] = -100; y[1, 2] = V + 5; y[1, 3] = -7           # out-of-range labels are never correct
+    y[2] = z[2].float().argmax(-1)                                       # a row whose every token is correct
+    for yy in (y, y.int()):
+        n, c = token_correct(z, yy)
+        m = yy != -100
+        assert n.tolist() == m.sum(1).tolist()
+        assert c.tolist() == ((z.argmax(-1) == yy) & m).sum(1).tolist()
+    assert int(c[2]) == 7 and int(c[0]) >= 2
+
+
 def test_distortion_curves_hold_the_selection():
     z, y, h = lm_batch(8, 6, 9, 3, seed=5)
     for rule, c in distortion_curves(z, y, h, ('all', 'token_acc:0.5', 'all_correct'), budget=0.3).items():
