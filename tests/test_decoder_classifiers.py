@@ -128,3 +128,33 @@ def test_encoder_decoder_classifier_in_reuse_is_exact_over_all_rows(name):
     assert err <= 1e-5 and glob <= 1e-5, f'{name}: {err:.2e} {glob:.2e}'
     reasons = [e if isinstance(e, str) else e.fallback_reason for m in engine.modules() for e in cached_traces(m)]
     assert reasons and all('depends on the values in the batch' in str(r) for r in reasons), reasons
+
+
+def test_all_rows_backward_takes_the_gradient_itself_and_pads_a_single_row(monkeypatch):
+    "The unsliced backward gets the upstream gradient itself when every row is kept (no [B, ...] copy), and a batch of one (traced as two rows) gets a zero second row; both exact against autograd."
+    model = encoder_decoder('bart')
+    cfg = model.config
+    batch, y = padded_batch(pad=cfg.pad_token_id, eos=cfg.eos_token_id)
+    seen, real = [], reuse._bw_args
+    def spy(traced, specs, saved, tangent, rows):
+        seen.append(tangent)
+        return real(traced, specs, saved, tangent, rows)
+    monkeypatch.setattr(reuse, '_bw_args', spy)
+    handed = []
+    real_loss = reuse.Reuse.backward_graph
+    def keep_grad(self, st, grad_logits, keep, kept):
+        handed.append(grad_logits)
+        return real_loss(self, st, grad_logits, keep, kept)
+    monkeypatch.setattr(reuse.Reuse, 'backward_graph', keep_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for rows in (slice(None), slice(0, 1)):
+            part = {k: v[rows] for k, v in batch.items()}
+            ref = autograd_grads(model, part, y[rows], None)
+            seen.clear(); handed.clear()
+            fwd, kept, got = engine_step(Engine(model, 'reuse'), part, y[rows], None)
+            err, glob = grad_errors(got, ref)
+            assert kept == part['input_ids'].shape[0] and err <= 1e-5 and glob <= 1e-5, (rows, err, glob)
+            assert len(seen) == 1 and len(handed) == 1
+            if kept == B: assert seen[0] is handed[0]                     # the gradient itself
+            else: assert seen[0].shape[0] == 2 and torch.equal(seen[0][0], handed[0][0]) and not seen[0][1].any()

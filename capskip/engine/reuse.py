@@ -232,8 +232,9 @@ class Reuse(Executor):
         else:                                            # all rows (every row kept, or slicing impossible): unsliced graph
             st.all_rows = kept < B
             if st.all_rows and traced.fallback_reason: self.warn_all_rows(traced, traced.fallback_reason)
-            full = torch.zeros((B,) + tuple(grad_logits.shape[1:]), dtype=grad_logits.dtype, device=grad_logits.device)
-            full[:keep.shape[0]] = full_rows_of(grad_logits, keep, kept)
+            full = full_rows_of(grad_logits, keep, kept)         # every row kept: the gradient itself, no [B, ...] copy
+            if keep.shape[0] < B:                        # one row, traced as two: the second gets 0
+                full = torch.cat([full, full.new_zeros((B - keep.shape[0],) + tuple(full.shape[1:]))])
             graph, args = traced.bw_full, _bw_args(traced, traced.bw_full_inputs, st.saved, full, None)
         st.saved.clear()                                 # the graph now owns the only references: freed as consumed
         return graph, args
