@@ -274,12 +274,12 @@ def token_correct(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IND
     V = z.shape[-1]
     at = torch.where(mask, labels, torch.zeros_like(labels)).clamp(0, V - 1)   # any valid column; compared below
     top = (z.gather(-1, at[..., None])[..., 0] == z.amax(-1)) & mask        # the label attains the maximum
-    zf, yf, hit = z.reshape(-1, V), labels.reshape(-1), torch.zeros_like(mask).view(-1)
-    rows, step = top.view(-1).nonzero().squeeze(1), max(1, (1 << 21) // V)   # argmax's tie rule there only, 2²¹ logits a chunk
-    for i in range(0, rows.numel(), step):
-        r = rows[i:i + step]
-        hit[r] = zf.index_select(0, r).argmax(-1) == yf[r]
-    return mask.sum(1), hit.view(mask.shape).sum(1)
+    t, hit = top.nonzero(as_tuple=True), torch.zeros_like(mask)              # argmax's tie rule there only
+    step = max(1, (1 << 21) // V)                                           # 2²¹ logits a chunk; z is never flattened (no copy of a slice)
+    for i in range(0, t[0].numel(), step):
+        r = tuple(ix[i:i + step] for ix in t)
+        hit[r] = z[r].argmax(-1) == labels[r]
+    return mask.sum(1), hit.sum(1)
 
 def candidate_rule(rule: str):
     "A rule name -> f(labelled [B], correct [B]) -> bool [B]: 'all_correct', 'all' or 'token_acc:τ' (τ in [0, 1])."

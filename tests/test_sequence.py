@@ -146,11 +146,12 @@ def test_token_correct_is_argmax_with_its_ties(monkeypatch, V, dtype):
     y = torch.randint(0, V, (3, 7), generator=g)
     y[0, :2] = 0; y[1, :2] = -100; y[1, 2] = V + 5; y[1, 3] = -7           # out-of-range labels are never correct
     y[2] = z[2].float().argmax(-1)                                       # a row whose every token is correct
-    for yy in (y, y.int()):
-        n, c = token_correct(z, yy)
+    for zz, yy in ((z, y), (z, y.int()), (z[:, :-1], y[:, 1:]), (z.transpose(0, 1), y.T)):   # also slices: not contiguous
+        n, c = token_correct(zz, yy)
         m = yy != -100
         assert n.tolist() == m.sum(1).tolist()
-        assert c.tolist() == ((z.argmax(-1) == yy) & m).sum(1).tolist()
+        assert c.tolist() == ((zz.argmax(-1) == yy) & m).sum(1).tolist()
+    n, c = token_correct(z, y)
     assert int(c[2]) == 7 and int(c[0]) >= 2
 
 
