@@ -17,15 +17,16 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs', 'exp_floor',
-           'residual_chunks', 'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs',
-           'pick_method', 'sequence_gram', 'gram_in_order', 'check_rule_inputs', 'select_from_gram',
+__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'PASS_ELEMENTS', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs',
+           'exp_floor', 'residual_chunks', 'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad',
+           'gram_costs', 'pick_method', 'sequence_gram', 'gram_in_order', 'check_rule_inputs', 'select_from_gram',
            'select_blocks_reference', 'token_correct', 'candidate_rule', 'sequence_candidates', 'select_sequences',
            'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
 VOCAB_CHUNK = 8192    # vocabulary columns per streamed chunk: r is never held for the whole vocabulary twice
+PASS_ELEMENTS = 1 << 21   # logits per chunk of rows for a pass over every column: 2²¹ (8 MB in fp32, under a typical L3 cache)
 
 def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: int = IGNORE_INDEX,
                           check_values: bool | None = None) -> None:
@@ -275,7 +276,7 @@ def token_correct(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IND
     at = torch.where(mask, labels, torch.zeros_like(labels)).clamp(0, V - 1)   # any valid column; compared below
     top = (z.gather(-1, at[..., None])[..., 0] == z.amax(-1)) & mask        # the label attains the maximum
     t, hit = top.nonzero(as_tuple=True), torch.zeros_like(mask)              # argmax's tie rule there only
-    step = max(1, (1 << 21) // V)                                           # 2²¹ logits a chunk; z is never flattened (no copy of a slice)
+    step = max(1, PASS_ELEMENTS // V)                                       # z is never flattened (no copy of a slice)
     for i in range(0, t[0].numel(), step):
         r = tuple(ix[i:i + step] for ix in t)
         hit[r] = z[r].argmax(-1) == labels[r]

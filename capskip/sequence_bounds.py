@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
-from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
+from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
                               exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
@@ -26,7 +26,7 @@ __all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'chunk_entries', 'top_en
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
 _CHUNK_ELEMENTS = 1 << 23  # p_s[v] gathered per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
-_PASS_ELEMENTS = 1 << 21   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
+_PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
 _BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
 
 def block_topk(zc: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -137,7 +137,7 @@ def test_candidate_rules():
 
 
 @pytest.mark.parametrize('V,dtype', [(9, torch.float32), (9, torch.bfloat16), (9, torch.float64), (1 << 19, torch.float32)])
-def test_token_correct_is_argmax_with_its_ties(monkeypatch, V, dtype):
+def test_token_correct_is_argmax_with_its_ties(V, dtype):
     "token_correct's amax path gives argmax's answer: ties at the maximum (the first column wins), rows of equal logits, every token correct, labels out of range or int32, chunks of the argmax rows (2²¹ logits: 4 rows at V = 2¹⁹)."
     from capskip.sequence import token_correct
     g = torch.Generator().manual_seed(V)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..checks import values_checked
 from ..core import ce_residuals
-from ..sequence import IGNORE_INDEX, exp_floor
+from ..sequence import IGNORE_INDEX, PASS_ELEMENTS, exp_floor
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
 from .inputs import ModelCall, pack_inputs
@@ -39,7 +39,7 @@ def check_token_labels(logits: torch.Tensor, labels, ignore_index: int = IGNORE_
                          f'({ignore_index} = ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape '
                          f'{tuple(getattr(labels, "shape", ()))}')
 
-_PASS_ELEMENTS = 1 << 21   # token rows per chunk of the softmax: [n, V] at most 2²¹ entries (8 MB in fp32), in cache through its passes
+_PASS_ELEMENTS = PASS_ELEMENTS   # token rows per chunk of the softmax: [n, V] at most 2²¹ entries (8 MB in fp32), in cache through its passes
 
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
