@@ -19,77 +19,98 @@ from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, VOCAB_CH
                               exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
-__all__ = ['TOPK', 'GRAMS', 'block_topk', 'TopEntries', 'chunk_entries', 'top_entries', 'TopSplit', 'top_split', 'pair_columns',
-           'GramBounds', 'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
+__all__ = ['TOPK', 'GRAMS', 'block_maxima', 'top_in_blocks', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split',
+           'pair_columns', 'GramBounds', 'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
            'select_sequences_topk', 'parse_gram', 'select_sequences_with']
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
-_CHUNK_ELEMENTS = 1 << 23  # p_s[v] gathered per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
-_PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the top-k search and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
+_CHUNK_ELEMENTS = 1 << 23  # the pair terms per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
+_PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the block maxima and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
 _BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
 
-def block_topk(zc: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    "The k largest entries of each row of [n, V] logits (sorted) and their columns, found in the k blocks of `_BLOCK` columns with the largest maxima."
+def block_maxima(zc: Tensor, out: Tensor | None = None) -> Tensor:
+    "Each row's maxima over blocks of `_BLOCK` columns of [n, V] logits, [n, ⌈V/_BLOCK⌉] (the short last block last): one vectorised pass."
     n, V = zc.shape
     nb = V // _BLOCK
-    if nb <= k: return zc.topk(k, dim=1)
-    bm = zc[:, :nb * _BLOCK].reshape(n, nb, _BLOCK).amax(2)                # each block's maximum: one vectorised pass
-    if nb * _BLOCK < V: bm = torch.cat([bm, zc[:, nb * _BLOCK:].amax(1, keepdim=True)], 1)
+    out = torch.empty(n, -(-V // _BLOCK), dtype=zc.dtype, device=zc.device) if out is None else out
+    torch.amax(zc[:, :nb * _BLOCK].reshape(n, nb, _BLOCK), 2, out=out[:, :nb])
+    if nb * _BLOCK < V: torch.amax(zc[:, nb * _BLOCK:], 1, keepdim=True, out=out[:, nb:])
+    return out
+
+def top_in_blocks(zc: Tensor, bm: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    "The k largest entries of each row of [n, V] logits (sorted) and their columns, searched in the k blocks whose `block_maxima` bm are the largest."
+    n, V = zc.shape
     cols = (bm.topk(k, dim=1).indices[:, :, None] * _BLOCK + torch.arange(_BLOCK, device=zc.device)).reshape(n, -1)
     past = cols >= V                                                      # the short last block's missing columns
     top, j = zc.gather(1, cols.clamp_max(V - 1)).masked_fill_(past, -math.inf).topk(k, dim=1)
     return top, cols.gather(1, j).clamp_max_(V - 1)
 
+def block_topk(zc: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    "The k largest entries of each row of [n, V] logits (sorted) and their columns: `top_in_blocks` on the rows' `block_maxima`."
+    if zc.shape[1] // _BLOCK <= k: return zc.topk(k, dim=1)
+    return top_in_blocks(zc, block_maxima(zc), k)
+
 class TopEntries(NamedTuple):
     "Each token's k largest logits `top` (sorted) at `index`, and θ_t, the (k+1)-th largest (−∞ when k ≥ V)."
     top: Tensor; index: Tensor; theta: Tensor
 
-def chunk_entries(zc: Tensor, k: int, dt: torch.dtype) -> TopEntries:
-    "For a chunk [n, V] of logit rows: each row's top k + 1 logits by `block_topk` (k ≤ V)."
-    V = zc.shape[1]
-    t, ix = block_topk(zc, min(k + 1, V))
-    t = t.to(dt)
-    theta = t[:, k] if k < V else torch.full_like(t[:, 0], -math.inf)    # k = V: nothing in the tail
-    return TopEntries(t[:, :k], ix[:, :k], theta)
-
 def top_entries(z: Tensor, k: int, dt: torch.dtype) -> TopEntries:
-    "For flat [T, V] logits, in row chunks: each token's top k + 1 logits by `block_topk`."
-    step = max(1, _PASS_ELEMENTS // z.shape[1])
-    parts = [chunk_entries(z[i:i + step], min(k, z.shape[1]), dt) for i in range(0, z.shape[0], step)]
-    return TopEntries(*(torch.cat(p) for p in zip(*parts)))
+    "For flat [T, V] logits: each token's top k + 1 logits by `block_topk`, the block maxima in row chunks (one pass over z), the search in few large batches."
+    T, V = z.shape
+    kk = min(k, V)
+    n1 = min(kk + 1, V)
+    if V // _BLOCK <= n1: t, ix = z.topk(n1, dim=1)
+    else:
+        bm = torch.empty(T, -(-V // _BLOCK), dtype=z.dtype, device=z.device)
+        step = max(1, _PASS_ELEMENTS // V)
+        for i in range(0, T, step): block_maxima(z[i:i + step], bm[i:i + step])
+        step = max(1, _PASS_ELEMENTS // (_BLOCK * n1))                 # [n, 64(k+1)] candidates gathered per batch of rows
+        t, ix = (torch.cat(p) for p in zip(*(top_in_blocks(z[i:i + step], bm[i:i + step], n1) for i in range(0, T, step))))
+    t = t.to(dt)
+    theta = t[:, kk] if kk < V else torch.full_like(t[:, 0], -math.inf)    # k = V: nothing in the tail
+    return TopEntries(t[:, :kk], ix[:, :kk], theta)
 
 class TopSplit(NamedTuple):
-    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`."
+    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`; with labels, U (`columns`) and e_t = exp(z_t − max z_t) there (`at`, [u, T]; p_t = e_t·`scale`_t)."
     lse: Tensor; values: Tensor; index: Tensor; theta: Tensor; tail_sq: Tensor
+    columns: Tensor | None = None; at: Tensor | None = None; scale: Tensor | None = None
 
-def top_split(z: Tensor, k: int, dt: torch.dtype) -> TopSplit:
-    "For flat [T, V] logits, per row chunk while it is in cache: `chunk_entries`, then e = exp(z − max z) for the log-sum-exp, S_t and ‖T_t‖² (summed directly)."
+def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) -> TopSplit:
+    "For flat [T, V] logits: `top_entries`, then one softmax pass per row chunk, e = exp(z − max z): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T], e at U = every top-k column and label."
     T, V = z.shape
-    kk, dev = min(k, V), z.device
-    lse, tail, theta = (torch.empty(T, dtype=dt, device=dev) for _ in range(3))
-    vals, index = torch.empty(T, kk, dtype=dt, device=dev), torch.empty(T, kk, dtype=torch.long, device=dev)
+    dev = z.device
+    e = top_entries(z, k, dt)
+    kk = e.index.shape[1]
+    s, m = e.top > e.theta[:, None], e.top[:, :1]                       # S_t (a tie with θ_t goes to the tail); the max, from the search
+    U = None if labels is None else torch.unique(torch.cat([e.index.reshape(-1), labels.reshape(-1).long()]))
+    total, norm = torch.empty(T, dtype=dt, device=dev), torch.empty(T, dtype=dt, device=dev)
+    top = torch.empty(T, kk, dtype=dt, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
     c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
+    at = None if U is None else torch.empty(U.numel(), T, dtype=dt, device=dev)
+    q = None if U is None else torch.empty(c.shape[0], U.numel(), dtype=dt, device=dev)   # a chunk's e at U, row-major
     for i in range(0, T, step):
         j = min(T, i + step)
-        e = chunk_entries(z[i:j], kk, dt)
-        theta[i:j], index[i:j], m = e.theta, e.index, e.top[:, :1]        # the max is the top-1 logit: no max pass
-        s = e.top > e.theta[:, None]                                      # S_t: the top entries above θ_t (a tie goes to the tail)
-        x = torch.sub(z[i:j], m, out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
-        total = x.sum(1, keepdim=True)                                    # Σ_v exp(z_v − max z) ≥ 1
-        lse[i:j] = (m + total.log())[:, 0]
-        top = x.gather(1, e.index)
-        vals[i:j] = (top / total).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
-        x.scatter_(1, e.index, top.masked_fill_(s, 0.0))                  # S_t's entries out: the tail is left
-        tail[i:j] = (torch.linalg.vector_norm(x, dim=1) / total[:, 0]).square()   # Σ_{v ∉ S} p_v², summed directly: no cancellation
-    return TopSplit(lse, vals, index, theta, tail)
+        x = torch.sub(z[i:j], m[i:j], out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
+        torch.sum(x, 1, out=total[i:j])                                  # Σ_v e_v ≥ 1
+        if at is not None: at[:, i:j] = torch.gather(x, 1, U.expand(j - i, -1), out=q[:j - i]).T   # e at U, while the chunk is in cache
+        torch.gather(x, 1, e.index[i:j], out=top[i:j])
+        x.scatter_(1, e.index[i:j], 0.0)                                 # the top-k entries out: the rest of the tail is left
+        torch.linalg.vector_norm(x, dim=1, out=norm[i:j])
+    vals = (top / total[:, None]).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
+    tail = (norm.square() + top.masked_fill(s, 0.0).square().sum(1)) / total.square()   # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
+    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, None if U is None else total.reciprocal())
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
 def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "U, the vocabulary columns the pair terms read (every token's top-k and its label, sorted, once); S_t over U as a CSR [T, |U|]; each label's row in U."
+    "U, the vocabulary columns the pair terms read (every token's top-k and its label, sorted, once: the split's own); S_t over U as a CSR [T, |U|]; each label's row in U."
     T, kk = sp.index.shape
-    U, inv = torch.unique(torch.cat([sp.index.reshape(-1), yc]), return_inverse=True)
+    wanted = torch.cat([sp.index.reshape(-1), yc])
+    U = torch.unique(wanted) if sp.columns is None else sp.columns
+    inv = torch.searchsorted(U, wanted).clamp_max_(U.numel() - 1)
+    if sp.columns is not None and not bool((U[inv] == wanted).all()):
+        raise ValueError('the split was taken with other labels than yc: call top_split(z, k, dt, yc) with these labels')
     cols, order = inv[:T * kk].view(T, kk).sort(1)                   # CSR: sorted columns within each row
     crow = torch.arange(0, T * kk + 1, kk, device=yc.device)
     with warnings.catch_warnings():                                  # torch marks CSR tensors beta; the product here is plain
@@ -102,24 +123,25 @@ class GramBounds(NamedTuple):
     "Entrywise bounds lower ≤ K ≤ upper on the row Gram K_ij = ⟨G_i, G_j⟩_F, float64 [B, B] (from `topk_gram_bounds`)."
     lower: Tensor; upper: Tensor
 
-def pair_sums(zf: Tensor, sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int) -> tuple[Tensor, Tensor]:
-    "Z [B, B] (Z_ij = Σ_{t∈i, s∈j} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts) and W [2, B, B] (the symmetric rest, lower and upper), from flat [T, V] logits `zf`, their split `sp`, its `pair_columns`, masked features `h` [T, d̃] and labels `yc`."
-    T, dev, dt = zf.shape[0], zf.device, h.dtype
-    B, acc, floor = T // L, gram_dtype(dev), exp_floor(dt)
+def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int) -> tuple[Tensor, Tensor]:
+    "Z [B, B] (Z_ij = Σ_{t∈i, s∈j} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts) and W [2, B, B] (the symmetric rest, lower and upper), from a split taken with the labels (`top_split(z, k, dt, yc)`: p at U), its `pair_columns`, masked features `h` [T, d̃] and labels `yc`."
+    if sp.at is None: raise ValueError('pair_sums needs the probabilities at U: take the split with the labels, top_split(z, k, dt, yc)')
+    T, dev, dt = sp.at.shape[1], h.device, h.dtype
+    B, acc = T // L, gram_dtype(dev)
     U, S, ypos = columns
     cols, vals = S.col_indices().view(T, -1), S.values().view(T, -1)   # each token's k positions in U and S_t's values there
     row, tail = torch.arange(T, device=dev) // L, sp.tail_sq.sqrt()   # each token's sequence; ‖T_t‖
     Z = torch.zeros(B, B, dtype=acc, device=dev)
     W = torch.zeros(2, B, B, dtype=acc, device=dev)
     step = max(1, _CHUNK_ELEMENTS // max(U.numel(), T))
+    Ss = torch.empty(U.numel(), min(step, T), dtype=dt, device=dev)   # S_s over U, per chunk
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
-        P = zf[s0:s1].T.index_select(0, U).to(dt)                   # [u, s-chunk]: z_s[v] at the columns U
-        P.sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_()        # p_s[v]
+        P, r = sp.at[:, s0:s1], sp.scale[None, s0:s1]               # [u, s-chunk]: e_s[v] at U; p_s = e_s·r_s
         g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
-        N = (S @ P).sub_(P.index_select(0, ypos)).mul_(g)            # (⟨S_t, p_s⟩ − p_s[y_t]) g
-        P.zero_().scatter_(0, cols[s0:s1].T, vals[s0:s1].T)       # S_s over U: its k entries, 0 elsewhere (no compare pass)
-        Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ P).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
+        N = (S @ P).sub_(P.index_select(0, ypos)).mul_(r).mul_(g)    # (⟨S_t, p_s⟩ − p_s[y_t]) g
+        Sc = Ss[:, :s1 - s0].zero_().scatter_(0, cols[s0:s1].T, vals[s0:s1].T)   # S_s over U: its k entries, 0 elsewhere
+        Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ Sc).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
         Eg = tail[:, None] * tail[None, s0:s1] * g                   # e_ts g: 0 ≤ ⟨T_t, T_s⟩ ≤ e_ts
         per_row = lambda X: X.view(B, L, s1 - s0).sum(1, dtype=acc)  # [B, s-chunk]: summed over t ∈ i
         Z.index_add_(1, row[s0:s1], per_row(N))
@@ -141,8 +163,8 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     zf = logits.detach().reshape(T, V)
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
-    sp = top_split(zf, k, dt)
-    Z, W = pair_sums(zf, sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
+    sp = top_split(zf, k, dt, yc)
+    Z, W = pair_sums(sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
     n = mask.sum() if denominator is None else torch.as_tensor(denominator, device=dev)
     scale = (1.0 / n.to(torch.float64).clamp_min(1.0) ** 2).to(acc)   # 1/N² (N: the batch's labelled tokens)
     lo, up = ((Z + Z.T).unsqueeze(0) + W).mul_(scale).unbind(0)

@@ -114,6 +114,27 @@ def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk, ro
     assert bool((parts.lower <= K + tol).all()) and bool((K <= parts.upper + tol).all())
 
 
+@pytest.mark.parametrize('rows', [1, 2, 4, 9])
+def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_softmax_at_U(monkeypatch, rows):
+    "V with blocks (V > 64(k+1)): the block maxima and the softmax pass in chunks of _PASS_ELEMENTS // V rows, the search in batches of _PASS_ELEMENTS // 64(k+1), give one pass's split; p at U is the float64 softmax there; a split without labels, or with other labels, is refused by the pair terms."
+    import capskip.sequence_bounds as sb
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(9, 1500, generator=g, dtype=torch.float64) * 4
+    y = torch.randint(0, 1500, (9,), generator=g)
+    whole = sb.top_split(z, 5, torch.float64, y)
+    monkeypatch.setattr(sb, '_PASS_ELEMENTS', rows * 1500)
+    parts = sb.top_split(z, 5, torch.float64, y)
+    for a, b in zip(whole, parts): torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
+    assert parts.columns.tolist() == sorted(set(parts.index.flatten().tolist()) | set(y.tolist()))
+    p = torch.softmax(z, 1)
+    torch.testing.assert_close(parts.at * parts.scale[None, :], p[:, parts.columns].T, rtol=1e-13, atol=0)
+    torch.testing.assert_close(parts.tail_sq, torch.where(z > parts.theta[:, None], 0.0, p).square().sum(1), rtol=1e-13, atol=0)
+    h = torch.randn(9, 3, generator=g, dtype=torch.float64)
+    with pytest.raises(ValueError, match='take the split with the labels'):
+        sb.pair_sums(sb.top_split(z, 5, torch.float64), sb.pair_columns(whole, y), h, y, 9)
+    with pytest.raises(ValueError, match='taken with other labels'): sb.pair_columns(whole, (y + 1) % 1500)
+
+
 def test_pair_columns_hold_every_top_entry_and_label():
     "U holds each token's top-k columns and its label once, sorted; S over U is the top-k values; a label's row in U is its column."
     from capskip.sequence_bounds import pair_columns, top_split

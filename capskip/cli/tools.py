@@ -153,8 +153,8 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
     if phases:
         print(format_topk_phases_table(phases))
         print('phases of select_sequences_topk (top-16 bounds), each timed alone, interleaved with the dense step: check (input '
-              'and value checks), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms), columns (pair_columns: U and the sparse S), '
-              'pairs (pair_sums: the gather at U, the sparse products, the feature Gram), rule (select_from_bounds); select: '
+              'and value checks), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms, p at U), columns (pair_columns: the sparse S over U), '
+              'pairs (pair_sums: the sparse products, the feature Gram), rule (select_from_bounds); select: '
               'the whole call; u: |U|.')
     if ns.record:
         threads = f'OMP_NUM_THREADS={os.environ["OMP_NUM_THREADS"]} ' if 'OMP_NUM_THREADS' in os.environ else ''
