@@ -28,6 +28,7 @@ TOPK = 16                  # our assumption: each token's k largest probabilitie
 _CHUNK_ELEMENTS = 1 << 23  # the pair terms per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
 _PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the block maxima and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
 _BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
+_AT_ELEMENTS = 1 << 25     # e at U kept from the softmax pass while u·T is at most this (128 MB in fp32, our assumption); beyond, the pair terms gather per chunk
 
 def block_maxima(zc: Tensor, out: Tensor | None = None) -> Tensor:
     "Each row's maxima over blocks of `_BLOCK` columns of [n, V] logits, [n, ⌈V/_BLOCK⌉] (the short last block last): one vectorised pass."
@@ -84,12 +85,13 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
     kk = e.index.shape[1]
     s, m = e.top > e.theta[:, None], e.top[:, :1]                       # S_t (a tie with θ_t goes to the tail); the max, from the search
     U = None if labels is None else torch.unique(torch.cat([e.index.reshape(-1), labels.reshape(-1).long()]))
+    keep_at = U is not None and U.numel() * T <= _AT_ELEMENTS           # else the pair terms gather p at U from z (bounded memory)
     total, norm = torch.empty(T, dtype=dt, device=dev), torch.empty(T, dtype=dt, device=dev)
     top = torch.empty(T, kk, dtype=dt, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
     c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
-    at = None if U is None else torch.empty(U.numel(), T, dtype=dt, device=dev)
-    q = None if U is None else torch.empty(c.shape[0], U.numel(), dtype=dt, device=dev)   # a chunk's e at U, row-major
+    at = torch.empty(U.numel(), T, dtype=dt, device=dev) if keep_at else None
+    q = torch.empty(c.shape[0], U.numel(), dtype=dt, device=dev) if keep_at else None   # a chunk's e at U, row-major
     for i in range(0, T, step):
         j = min(T, i + step)
         x = torch.sub(z[i:j], m[i:j], out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
@@ -100,7 +102,7 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
         torch.linalg.vector_norm(x, dim=1, out=norm[i:j])
     vals = (top / total[:, None]).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
     tail = (norm.square() + top.masked_fill(s, 0.0).square().sum(1)) / total.square()   # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
-    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, None if U is None else total.reciprocal())
+    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, total.reciprocal() if keep_at else None)
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
 def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,11 +125,12 @@ class GramBounds(NamedTuple):
     "Entrywise bounds lower ≤ K ≤ upper on the row Gram K_ij = ⟨G_i, G_j⟩_F, float64 [B, B] (from `topk_gram_bounds`)."
     lower: Tensor; upper: Tensor
 
-def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int) -> tuple[Tensor, Tensor]:
-    "Z [B, B] (Z_ij = Σ_{t∈i, s∈j} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts) and W [2, B, B] (the symmetric rest, lower and upper), from a split taken with the labels (`top_split(z, k, dt, yc)`: p at U), its `pair_columns`, masked features `h` [T, d̃] and labels `yc`."
-    if sp.at is None: raise ValueError('pair_sums needs the probabilities at U: take the split with the labels, top_split(z, k, dt, yc)')
-    T, dev, dt = sp.at.shape[1], h.device, h.dtype
-    B, acc = T // L, gram_dtype(dev)
+def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    "Z [B, B] (Z_ij = Σ_{t∈i, s∈j} (⟨S_t, p_s⟩ − p_s[y_t]) g_ts) and W [2, B, B] (the symmetric rest, lower and upper), from the split `sp` (p at U from its softmax pass, or gathered here from the flat [T, V] logits `z`), its `pair_columns`, masked features `h` [T, d̃] and labels `yc`."
+    if sp.at is None and z is None:
+        raise ValueError('pair_sums needs the probabilities at U: take the split with the labels, top_split(z, k, dt, yc), or pass the logits z')
+    T, dev, dt = h.shape[0], h.device, h.dtype
+    B, acc, floor = T // L, gram_dtype(dev), exp_floor(dt)
     U, S, ypos = columns
     cols, vals = S.col_indices().view(T, -1), S.values().view(T, -1)   # each token's k positions in U and S_t's values there
     row, tail = torch.arange(T, device=dev) // L, sp.tail_sq.sqrt()   # each token's sequence; ‖T_t‖
@@ -137,9 +140,11 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int) -> tu
     Ss = torch.empty(U.numel(), min(step, T), dtype=dt, device=dev)   # S_s over U, per chunk
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
-        P, r = sp.at[:, s0:s1], sp.scale[None, s0:s1]               # [u, s-chunk]: e_s[v] at U; p_s = e_s·r_s
+        if sp.at is not None: P, r = sp.at[:, s0:s1], sp.scale[None, s0:s1]   # [u, s-chunk]: e_s[v] at U; p_s = e_s·r_s
+        else: P, r = z[s0:s1].T.index_select(0, U).to(dt).sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_(), None   # p_s[v]
         g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
-        N = (S @ P).sub_(P.index_select(0, ypos)).mul_(r).mul_(g)    # (⟨S_t, p_s⟩ − p_s[y_t]) g
+        N = (S @ P).sub_(P.index_select(0, ypos))
+        N = (N if r is None else N.mul_(r)).mul_(g)                  # (⟨S_t, p_s⟩ − p_s[y_t]) g
         Sc = Ss[:, :s1 - s0].zero_().scatter_(0, cols[s0:s1].T, vals[s0:s1].T)   # S_s over U: its k entries, 0 elsewhere
         Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ Sc).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
         Eg = tail[:, None] * tail[None, s0:s1] * g                   # e_ts g: 0 ≤ ⟨T_t, T_s⟩ ≤ e_ts
@@ -164,7 +169,7 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
     sp = top_split(zf, k, dt, yc)
-    Z, W = pair_sums(sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
+    Z, W = pair_sums(sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L, zf)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
     n = mask.sum() if denominator is None else torch.as_tensor(denominator, device=dev)
     scale = (1.0 / n.to(torch.float64).clamp_min(1.0) ** 2).to(acc)   # 1/N² (N: the batch's labelled tokens)
     lo, up = ((Z + Z.T).unsqueeze(0) + W).mul_(scale).unbind(0)

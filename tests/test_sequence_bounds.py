@@ -135,6 +135,23 @@ def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_softmax_at_
     with pytest.raises(ValueError, match='taken with other labels'): sb.pair_columns(whole, (y + 1) % 1500)
 
 
+@pytest.mark.parametrize('chunk', [7, 1 << 23])
+def test_pair_terms_gather_p_from_the_logits_when_u_times_T_is_over_the_cap(monkeypatch, chunk):
+    "Over _AT_ELEMENTS (u·T) the split keeps no p at U and the pair terms gather it from the logits per chunk of tokens: the same float64 bounds as with it kept, and they still bracket the exact Gram."
+    import capskip.sequence_bounds as sb
+    z, y, h = batch(11, B=4, L=5, V=19)
+    kept = topk_gram_bounds(z, y, h, k=3)
+    monkeypatch.setattr(sb, '_AT_ELEMENTS', 0)
+    monkeypatch.setattr(sb, '_CHUNK_ELEMENTS', chunk)
+    sp = sb.top_split(z.reshape(20, 19), 3, torch.float64, y.reshape(20).clamp_min(0))
+    assert sp.at is None and sp.scale is None and sp.columns is not None
+    streamed = topk_gram_bounds(z, y, h, k=3)
+    for a, b in zip(kept, streamed): torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    G, K = exact_gram(z, y, h, True)
+    tol = 1e-12 * K.abs().max()
+    assert bool((streamed.lower <= K + tol).all()) and bool((K <= streamed.upper + tol).all())
+
+
 def test_pair_columns_hold_every_top_entry_and_label():
     "U holds each token's top-k columns and its label once, sorted; S over U is the top-k values; a label's row in U is its column."
     from capskip.sequence_bounds import pair_columns, top_split

@@ -224,7 +224,7 @@ def bench_topk_phases(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: 
     every = torch.ones(B, dtype=torch.bool, device=z.device)
     ms = interleaved_ms({'dense': dense_step(model, x, y), 'check': lambda: check_sequence_inputs(z, y, h, check_values=True),
                          'split': lambda: top_split(zf, k, torch.float32, yc), 'columns': lambda: pair_columns(sp, yc),
-                         'pairs': lambda: pair_sums(sp, columns, hf, yc, L),
+                         'pairs': lambda: pair_sums(sp, columns, hf, yc, L, zf),
                          'rule': lambda: select_from_bounds(bounds, every, budget),
                          'select': lambda: select_sequences_topk(z, y, h, budget, bias=False, k=k)}, repeats, warmup, device)
     return TopkPhasesRow(B, L, V, len(model.blocks), columns[0].numel(), ms['dense'], *(ms[p] for p in TOPK_PHASES))
