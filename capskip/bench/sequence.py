@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .records import record_header, write_record
 from .selector import median_ms
 from ..core import DEFAULT_BUDGET
 from ..sequence import block_gram, check_sequence_inputs, gram_costs, pick_method, select_sequences, token_gram
@@ -131,15 +131,9 @@ def cost_ratios(B: int, L: int, layers: int = 2, d: int = 768, vocab: int = 5025
 def record_sequence(path: str | os.PathLike, rows: list[SequenceBenchRow], command: str, machine: str, load: tuple,
                     settings: dict, steps: list[dict] | None = None, phases: list[dict] | None = None) -> dict:
     "Write a recorded run (command, machine, date, load average before/after, settings, rows, `HeadGradRow` steps, `TopkPhasesRow` phases) to `path` atomically."
-    rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
-           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
-           'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
-           'settings': {k: v for k, v in settings.items() if k != 'record'},   # not the output path: it names this machine's folders
-           'rows': [r._asdict() for r in rows], 'steps': steps or [], 'phases': phases or []}
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
-    os.replace(tmp, path)
-    return rec
+    return write_record(path, {**record_header(command, machine, load),
+                               'settings': {k: v for k, v in settings.items() if k != 'record'},   # not the output path: it names this machine's folders
+                               'rows': [r._asdict() for r in rows], 'steps': steps or [], 'phases': phases or []})
 
 def load_sequence_record(path: str | os.PathLike) -> tuple[dict, list[SequenceBenchRow]]:
     "A recorded run and its rows."

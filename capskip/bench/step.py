@@ -32,6 +32,7 @@ from ..sequence import IGNORE_INDEX
 from ..sequence_bounds import select_sequences_with
 from .sequence import WidthLM, token_batch
 from .keeps import parse_keeps, realised_keep, show_k
+from .records import record_header, write_record
 
 # %% auto #0
 __all__ = ['STEP_PHASES', 'RESULT_PREFIX', 'ideal_ratio', 'reforward_ideal', 'machine_name', 'mode_ideal', 'RSSSampler',
@@ -403,14 +404,8 @@ def json_rows(rows: list[dict], model: str) -> list[dict]:
 
 def record(path: str | os.PathLike, bench: StepBench, rows: list[dict], how: str, command: str, load: tuple) -> dict:
     "Write a recorded run (command, machine, load, settings, rows) to `path` atomically: what docs pages show instead of timing anew."
-    rec = {'command': command, 'machine': machine_name(bench.device), 'torch': torch.__version__,
-           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
-           'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
-           'memory': how, 'bench': asdict(bench), 'rows': json_rows(rows, bench.model)}
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f: json.dump(rec, f, indent=1)
-    os.replace(tmp, path)
-    return rec
+    return write_record(path, {**record_header(command, machine_name(bench.device), load), 'memory': how,
+                               'bench': asdict(bench), 'rows': json_rows(rows, bench.model)})
 
 def run_phase(bench: StepBench, phase: str) -> dict:
     "The work of one process, JSON-ready: 'time' (interleaved timing; CUDA peaks) or 'memory' (CPU peaks)."

@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -16,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .records import record_header, write_record
 from .sequence import WidthLM
 from ..core import DEFAULT_BUDGET
 from ..runs.corpus import LMRows, stdlib_sft_splits
-from ..runs.runio import atomic_write_bytes
 from ..sequence import DEFAULT_CANDIDATES, IGNORE_INDEX, block_gram, select_from_gram, sequence_candidates
 from ..sequence_bounds import TOPK, select_from_bounds, topk_gram_bounds
 
@@ -127,12 +125,8 @@ def format_tightness_table(rows: list[TightnessRow]) -> str:
 def record_tightness(path, rows: list[TightnessRow], command: str, machine: str, load: tuple, settings: dict,
                      seconds: float, complete: bool = True) -> dict:
     "Write a recorded run (command, machine, date, load average, settings, rows; `complete` False while vocabularies remain) to `path` atomically."
-    rec = {'command': command, 'machine': machine, 'torch': torch.__version__,
-           'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'seconds': round(seconds, 1), 'complete': complete,
-           'load_average': {'before': round(load[0], 2), 'after': round(load[1], 2), 'cores': os.cpu_count()},
-           'settings': settings, 'rows': [r._asdict() for r in rows]}
-    atomic_write_bytes(path, (json.dumps(rec, indent=1) + '\n').encode())
-    return rec
+    return write_record(path, {**record_header(command, machine, load), 'seconds': round(seconds, 1), 'complete': complete,
+                               'settings': settings, 'rows': [r._asdict() for r in rows]})
 
 def load_tightness(path) -> tuple[dict, list[TightnessRow]]:
     "A recorded run and its rows (a record without `complete` predates the field, and was written only at a run's end)."
