@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .checks import values_checked
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
@@ -78,7 +79,7 @@ class TopSplit(NamedTuple):
     columns: Tensor | None = None; at: Tensor | None = None; scale: Tensor | None = None
 
 def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) -> TopSplit:
-    "For flat [T, V] logits: `top_entries`, then one softmax pass per row chunk, e = exp(z − max z): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T], e at U = every top-k column and label."
+    "For flat [T, V] logits: `top_entries`, then one softmax pass per row chunk, e = exp(z − max z): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T] (columns in [0, V): an ignored token's any), e at U = every top-k column and label."
     T, V = z.shape
     dev = z.device
     e = top_entries(z, k, dt)
@@ -111,7 +112,7 @@ def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     wanted = torch.cat([sp.index.reshape(-1), yc])
     U = torch.unique(wanted) if sp.columns is None else sp.columns
     inv = torch.searchsorted(U, wanted).clamp_max_(U.numel() - 1)
-    if sp.columns is not None and not bool((U[inv] == wanted).all()):
+    if sp.columns is not None and values_checked(None, yc) and not bool((U[inv] == wanted).all()):   # a host read: CPU only
         raise ValueError('the split was taken with other labels than yc: call top_split(z, k, dt, yc) with these labels')
     cols, order = inv[:T * kk].view(T, kk).sort(1)                   # CSR: sorted columns within each row
     crow = torch.arange(0, T * kk + 1, kk, device=yc.device)
