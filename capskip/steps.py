@@ -17,13 +17,14 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, 
 from .engine import Engine
 from .engine.node import inject_grad
 from .selector import last_layer_grad
-from .sequence import DEFAULT_CANDIDATES, check_sequence_inputs, sequence_candidates, token_correct
+from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
+                              token_correct)
 from .sequence_bounds import select_sequences_with
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
            'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'shifted_labels', 'sequence_loss', 'sequence_step', 'check_step_inputs']
+           'device_generator', 'shifted_labels', 'token_losses', 'sequence_loss', 'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -176,6 +177,22 @@ def shifted_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
         raise ValueError(f'labels must be token ids [B, L], got shape {tuple(getattr(labels, "shape", ()))}')
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], 1)
 
+def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    "Each token's cross-entropy [B, L] (0 where ignored), values only: lse − z_y per cache-sized chunk of rows (one chunk on a GPU), each exponent clamped at `exp_floor`, with no [B·L, V] log-softmax."
+    B, L, V = logits.shape
+    z, y = logits.detach().reshape(B * L, V), labels.reshape(B * L)
+    dt, mask = torch.promote_types(z.dtype, torch.float32), y != ignore_index
+    yc = torch.where(mask, y, torch.zeros_like(y)).long()
+    out = torch.empty(B * L, dtype=dt, device=z.device)
+    step = max(1, PASS_ELEMENTS // V) if z.device.type == 'cpu' else max(1, B * L)
+    floor, c = exp_floor(dt), torch.empty(min(step, B * L), V, dtype=dt, device=z.device)
+    for i in range(0, B * L, step):
+        zc, j = z[i:i + step], min(B * L, i + step)
+        m = zc.amax(1, keepdim=True).to(dt)
+        x = torch.sub(zc, m, out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp
+        out[i:j] = m[:, 0] + x.sum(1).log() - zc.gather(1, yc[i:j, None])[:, 0].to(dt)
+    return out.masked_fill_(~mask, 0.0).view(B, L)
+
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
                   bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
@@ -205,7 +222,9 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
                            return_grad=head_grad, grad_weights=w)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)
-    tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
+    if z.requires_grad and torch.is_grad_enabled():                # the user's graph: back-propagated through autograd
+        tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
+    else: tok = token_losses(z, y, ignore_index)                    # values only (CAPSkip.step, evaluation): no [B·L, V] temporary
     per_row = tok.sum(1)
     loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
     losses = per_row.detach()
