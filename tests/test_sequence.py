@@ -225,3 +225,23 @@ def test_wide_logits_leave_no_entry_whose_products_are_subnormal():
     assert float(R.abs().min()) * 2**-24 >= tiny
     err_max, err = errors(block_gram(z, y, h), row_grads_reference(z, y, h))
     assert err_max < 1e-5 and err < 1e-5
+
+
+@pytest.mark.parametrize('rows', [1, 3, 1 << 20])
+def test_token_losses_in_row_chunks_are_the_float64_cross_entropy(monkeypatch, rows):
+    "token_losses (the loss without a graph: CAPSkip.step, evaluation) walks the tokens in chunks of PASS_ELEMENTS // V rows; chunks that end inside a sequence, a partial last chunk, ignored tokens, bf16 and std-28 logits give float64 F.cross_entropy's values, and sequence_loss's statistics under no_grad equal them."
+    import capskip.steps as steps
+    monkeypatch.setattr(steps, 'PASS_ELEMENTS', rows * 37)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(3, 7, 37, generator=g) * 28
+    y = torch.randint(0, 37, (3, 7), generator=g); y[0, :3] = -100; y[2] = -100
+    for zz in (z, z.double(), z.to(torch.bfloat16)):
+        ref = F.cross_entropy(zz.double().flatten(0, 1), y.flatten(), reduction='none', ignore_index=-100).view(3, 7)
+        got = steps.token_losses(zz, y)
+        assert got.dtype == (torch.float64 if zz.dtype == torch.float64 else torch.float32)
+        tol = 1e-12 if zz.dtype == torch.float64 else 1e-5 * float(ref.abs().max())
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol)
+        assert got[0, :3].tolist() == [0.0] * 3 and got[2].tolist() == [0.0] * 7
+    ref = F.cross_entropy(z.double().flatten(0, 1), y.flatten(), reduction='none', ignore_index=-100).view(3, 7)
+    with torch.no_grad(): st = steps.sequence_loss(z, torch.randn(3, 7, 4, generator=g), y, budget=0.0)[1]
+    torch.testing.assert_close(st.losses.double(), ref.sum(1), rtol=0, atol=1e-5 * float(ref.abs().max()))

@@ -15,7 +15,11 @@ import argparse, os, statistics, subprocess, sys, time, types
 
 def load_at(rev: str) -> types.ModuleType:
     "capskip.sequence_bounds as it was at `rev`, as a module of the capskip package (relative imports resolve here)."
-    src = subprocess.run(['git', 'show', f'{rev}:capskip/sequence_bounds.py'], capture_output=True, text=True, check=True).stdout
+    got = subprocess.run(['git', 'show', f'{rev}:capskip/sequence_bounds.py'], capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f'ab_selector: no capskip/sequence_bounds.py at revision {rev!r} in this checkout '
+                         f'(git: {got.stderr.strip().splitlines()[-1] if got.stderr.strip() else "failed"}); name a commit that has it, e.g. b719e38')
+    src = got.stdout
     mod = types.ModuleType('capskip._sequence_bounds_at_rev')
     mod.__package__ = 'capskip'
     exec(compile(src, f'{rev}:capskip/sequence_bounds.py', 'exec'), mod.__dict__)
@@ -35,7 +39,10 @@ def main() -> int:
     import capskip.sequence_bounds as here
     from capskip.bench.step import StepBench, build_lm_runner, machine_name
     old = load_at(ns.rev)
-    head = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip() or 'this'
+    if subprocess.run(['git', 'diff', '--quiet', 'HEAD', '--', 'capskip/sequence_bounds.py']).returncode != 0:
+        head += '+changes'                                         # this checkout's file differs from its commit
+    if head == ns.rev: head += ' (this)'
     runner = build_lm_runner(StepBench(model='width_lm', seq=ns.seq, batch=ns.batch, keeps=[1.0], layers=ns.layers, gram='topk'))
     with torch.no_grad(): fwd = runner.engines['dense'].forward(runner.x)
     z, h, y = fwd.logits.detach(), fwd.features.detach(), runner.y
