@@ -17,20 +17,29 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'PASS_ELEMENTS', 'GRAM_METHODS', 'DEFAULT_CANDIDATES', 'check_sequence_inputs',
-           'exp_floor', 'residual_chunks', 'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad',
-           'gram_costs', 'pick_method', 'sequence_gram', 'gram_in_order', 'check_rule_inputs', 'select_from_gram',
-           'select_blocks_reference', 'token_correct', 'candidate_rule', 'sequence_candidates', 'select_sequences',
-           'Curve', 'distortion_curves']
+__all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'PASS_ELEMENTS', 'SOFTMAX_LOGITS_ERROR', 'GRAM_METHODS', 'DEFAULT_CANDIDATES',
+           'require_softmax_logits', 'check_sequence_inputs', 'exp_floor', 'residual_chunks', 'token_gram',
+           'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method', 'sequence_gram',
+           'gram_in_order', 'check_rule_inputs', 'select_from_gram', 'select_blocks_reference', 'token_correct',
+           'candidate_rule', 'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
 VOCAB_CHUNK = 8192    # vocabulary columns per streamed chunk: r is never held for the whole vocabulary twice
-PASS_ELEMENTS = 1 << 21   # logits per chunk of rows for a pass over every column: 2²¹ (8 MB in fp32, under a typical L3 cache)
+PASS_ELEMENTS = 1 << 19   # logits per chunk of rows for a pass over every column: 2¹⁹ (2 MB in fp32: a chunk's sweeps stay in a 2 MB L2; our assumption, measured in 00e section 2)
+
+SOFTMAX_LOGITS_ERROR = ('logits hold NaN or +Inf values, or a token whose every logit is -Inf (a -Inf logit alone, a masked '
+                        'column, is allowed: its probability is 0); check the forward pass, e.g. for an overflow under fp16 autocast')
+
+def require_softmax_logits(logits: Tensor) -> None:
+    "Logits of a softmax over the last axis: no NaN or +Inf, and some logit above −Inf in every row (a −Inf column has probability 0); one host read when the sum is finite."
+    if bool(torch.isfinite(logits.sum(dtype=torch.promote_types(logits.dtype, torch.float32))).item()): return
+    if bool((logits.isnan().any() | logits.isposinf().any() | (logits.amax(-1) == -math.inf).any()).item()):
+        raise ValueError(SOFTMAX_LOGITS_ERROR)
 
 def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: int = IGNORE_INDEX,
-                          check_values: bool | None = None) -> None:
-    "A causal-LM batch: float [B, L, V] logits, integer [B, L] labels, float [B, L, d] features, optional [B] weights; one line per problem."
+                          check_values: bool | None = None, logit_values: bool = True) -> None:
+    "A causal-LM batch: float [B, L, V] logits, integer [B, L] labels, float [B, L, d] features, optional [B] weights; one line per problem (`logit_values=False`: the logits' values are left to the caller's softmax pass)."
     for name, t in (('logits', logits), ('features', features)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f'{name} must be a floating-point tensor, got {getattr(t, "dtype", type(t).__name__)}; convert it with `.float()`')
@@ -57,7 +66,8 @@ def check_sequence_inputs(logits, labels, features, weights=None, ignore_index: 
     if values_checked(check_values, logits, labels):
         if not bool(((labels == ignore_index) | ((labels >= 0) & (labels < V))).all()):
             raise ValueError(f'labels must lie in [0, {V}) or be {ignore_index} (ignored); got other values')
-        require_finite('logits', logits); require_finite('features', features)
+        if logit_values: require_softmax_logits(logits)
+        require_finite('features', features)
         if weights is not None and not bool((weights >= 0).all()): raise ValueError('weights must be ≥ 0 (per-sequence loss weights)')
 
 # %% ../nbs/00d_sequence.ipynb #33a9357f
@@ -292,11 +302,12 @@ def candidate_rule(rule: str):
         return lambda n, c: c.double() >= tau * n.double()
     raise ValueError(f"unknown candidate rule {rule!r}: use 'all_correct', 'all' or 'token_acc:τ' with τ in [0, 1] (e.g. 'token_acc:0.9')")
 
-def sequence_candidates(logits: Tensor, labels: Tensor, rule: str = 'all_correct', ignore_index: int = IGNORE_INDEX) -> Tensor:
-    "The candidate rows (bool [B]) by `rule`; a row with no labelled token (G_i = 0) is a candidate under every rule."
+def sequence_candidates(logits: Tensor, labels: Tensor, rule: str = 'all_correct', ignore_index: int = IGNORE_INDEX,
+                        counts: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    "The candidate rows (bool [B]) by `rule`; a row with no labelled token (G_i = 0) is a candidate under every rule; `counts`: `token_correct`'s, if already taken."
     f = candidate_rule(rule)
     if rule == 'all': return torch.ones(labels.shape[0], dtype=torch.bool, device=labels.device)   # no argmax pass over [B, L, V]
-    n, c = token_correct(logits, labels, ignore_index)
+    n, c = token_correct(logits, labels, ignore_index) if counts is None else counts
     return f(n, c) | (n == 0)
 
 # %% ../nbs/00d_sequence.ipynb #2e701973

@@ -16,8 +16,8 @@ from torch import Tensor
 from .checks import values_checked
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
-from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, VOCAB_CHUNK, check_rule_inputs, check_sequence_inputs, kept_grad,
-                              exp_floor, gram_in_order, select_sequences, sequence_candidates)
+from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, SOFTMAX_LOGITS_ERROR, VOCAB_CHUNK, check_rule_inputs,
+                              check_sequence_inputs, kept_grad, exp_floor, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
 __all__ = ['TOPK', 'GRAMS', 'block_maxima', 'top_in_blocks', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split',
@@ -27,9 +27,10 @@ __all__ = ['TOPK', 'GRAMS', 'block_maxima', 'top_in_blocks', 'block_topk', 'TopE
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
 _CHUNK_ELEMENTS = 1 << 23  # the pair terms per chunk of tokens s: [u, s] and [T, s] at most 2²³ (32 MB in fp32)
-_PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the block maxima and the softmax: [n, V] at most 2²¹ (8 MB, under a typical L3 cache)
+_PASS_ELEMENTS = PASS_ELEMENTS   # logit rows per chunk of the block maxima and the softmax's sweeps: [n, V] at most 2¹⁹ (2 MB in fp32, in L2)
 _BLOCK = 64                # block width of the top-k search (our assumption, section 2: a 256-byte fp32 run per block maximum)
 _AT_ELEMENTS = 1 << 25     # e at U kept from the softmax pass while u·T is at most this (128 MB in fp32, our assumption); beyond, the pair terms gather per chunk
+_STAGE_ELEMENTS = 1 << 22  # rows of e at U staged before their transposed write into [u, T]: [n, u] at most 2²² (16 MB; few wide writes, measured in section 2)
 
 def block_maxima(zc: Tensor, out: Tensor | None = None) -> Tensor:
     "Each row's maxima over blocks of `_BLOCK` columns of [n, V] logits, [n, ⌈V/_BLOCK⌉] (the short last block last): one vectorised pass."
@@ -90,17 +91,21 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
     total, norm = torch.empty(T, dtype=dt, device=dev), torch.empty(T, dtype=dt, device=dev)
     top = torch.empty(T, kk, dtype=dt, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
+    group = max(step, _STAGE_ELEMENTS // V // step * step) if keep_at else T   # rows staged per transposed write
     c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
     at = torch.empty(U.numel(), T, dtype=dt, device=dev) if keep_at else None
-    q = torch.empty(c.shape[0], U.numel(), dtype=dt, device=dev) if keep_at else None   # a chunk's e at U, row-major
-    for i in range(0, T, step):
-        j = min(T, i + step)
-        x = torch.sub(z[i:j], m[i:j], out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
-        torch.sum(x, 1, out=total[i:j])                                  # Σ_v e_v ≥ 1
-        if at is not None: at[:, i:j] = torch.gather(x, 1, U.expand(j - i, -1), out=q[:j - i]).T   # e at U, while the chunk is in cache
-        torch.gather(x, 1, e.index[i:j], out=top[i:j])
-        x.scatter_(1, e.index[i:j], 0.0)                                 # the top-k entries out: the rest of the tail is left
-        torch.linalg.vector_norm(x, dim=1, out=norm[i:j])
+    q = torch.empty(min(group, T), U.numel(), dtype=dt, device=dev) if keep_at else None   # a group's e at U, row-major
+    for g0 in range(0, T, group):
+        g1 = min(T, g0 + group)
+        for i in range(g0, g1, step):
+            j = min(g1, i + step)
+            x = torch.sub(z[i:j], m[i:j], out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
+            torch.sum(x, 1, out=total[i:j])                              # Σ_v e_v ≥ 1
+            if at is not None: torch.gather(x, 1, U.expand(j - i, -1), out=q[i - g0:j - g0])   # e at U, while the chunk is in cache
+            torch.gather(x, 1, e.index[i:j], out=top[i:j])
+            x.scatter_(1, e.index[i:j], 0.0)                             # the top-k entries out: the rest of the tail is left
+            torch.linalg.vector_norm(x, dim=1, out=norm[i:j])
+        if at is not None: at[:, g0:g1] = q[:g1 - g0].T                 # one wide transposed write per group
     vals = (top / total[:, None]).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
     tail = (norm.square() + top.masked_fill(s, 0.0).square().sum(1)) / total.square()   # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
     return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, total.reciprocal() if keep_at else None)
@@ -138,7 +143,7 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Te
     Z = torch.zeros(B, B, dtype=acc, device=dev)
     W = torch.zeros(2, B, B, dtype=acc, device=dev)
     step = max(1, _CHUNK_ELEMENTS // max(U.numel(), T))
-    Ss = torch.empty(U.numel(), min(step, T), dtype=dt, device=dev)   # S_s over U, per chunk
+    Ss = torch.zeros(U.numel(), min(step, T), dtype=dt, device=dev)   # S_s over U, per chunk: written at k entries per column, then reset
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
         if sp.at is not None: P, r = sp.at[:, s0:s1], sp.scale[None, s0:s1]   # [u, s-chunk]: e_s[v] at U; p_s = e_s·r_s
@@ -146,8 +151,9 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Te
         g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
         N = (S @ P).sub_(P.index_select(0, ypos))
         N = (N if r is None else N.mul_(r)).mul_(g)                  # (⟨S_t, p_s⟩ − p_s[y_t]) g
-        Sc = Ss[:, :s1 - s0].zero_().scatter_(0, cols[s0:s1].T, vals[s0:s1].T)   # S_s over U: its k entries, 0 elsewhere
+        Sc = Ss[:, :s1 - s0].scatter_(0, cols[s0:s1].T, vals[s0:s1].T)   # S_s over U: its k entries, 0 elsewhere
         Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ Sc).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
+        Sc.scatter_(0, cols[s0:s1].T, 0.0)                           # back to zeros for the next chunk (no [u, s] fill)
         Eg = tail[:, None] * tail[None, s0:s1] * g                   # e_ts g: 0 ≤ ⟨T_t, T_s⟩ ≤ e_ts
         per_row = lambda X: X.view(B, L, s1 - s0).sum(1, dtype=acc)  # [B, s-chunk]: summed over t ∈ i
         Z.index_add_(1, row[s0:s1], per_row(N))
@@ -158,7 +164,7 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Te
 def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, k: int = TOPK,
                      ignore_index: int = IGNORE_INDEX, denominator=None, *, check_values: bool | None = None) -> GramBounds:
     "Certified bounds on K from each token's top-k probabilities (section 2): cost T·V + T·u + T²(2k + d̃), T = B·L (`topk_gram_costs`)."
-    check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
+    check_sequence_inputs(logits, labels, features, None, ignore_index, check_values, logit_values=False)   # the logits: by the softmax pass below
     if not isinstance(k, int) or isinstance(k, bool) or k < 1: raise ValueError(f'k must be an integer ≥ 1 (e.g. {TOPK}), got {k!r}')
     B, L, V = logits.shape
     T, dev = B * L, logits.device
@@ -170,6 +176,8 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
     sp = top_split(zf, k, dt, yc)
+    if values_checked(check_values, logits, labels) and not bool(torch.isfinite(sp.lse).all()):   # NaN, +Inf or an all −Inf token reach its lse
+        raise ValueError(SOFTMAX_LOGITS_ERROR)
     Z, W = pair_sums(sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L, zf)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
     n = mask.sum() if denominator is None else torch.as_tensor(denominator, device=dev)
     scale = (1.0 / n.to(torch.float64).clamp_min(1.0) ** 2).to(acc)   # 1/N² (N: the batch's labelled tokens)
@@ -204,9 +212,9 @@ def select_sequences_topk(logits: Tensor, labels: Tensor, features: Tensor, budg
                           *, check_values: bool | None = None, return_grad: bool = False,
                           grad_weights: Tensor | None = None) -> Selection | tuple[Selection, Tensor]:
     "`select_sequences` on `topk_gram_bounds`: the same guarantee ‖D‖ ≤ b‖G‖ at the top-k Gram's cost (it may drop fewer rows)."
-    check_sequence_inputs(logits, labels, features, weights, ignore_index, check_values)
+    check_sequence_inputs(logits, labels, features, weights, ignore_index, check_values, logit_values=False)
     cand = sequence_candidates(logits, labels, candidates, ignore_index) if isinstance(candidates, str) else candidates
-    bounds = topk_gram_bounds(logits, labels, features, bias, k, ignore_index, denominator, check_values=False)
+    bounds = topk_gram_bounds(logits, labels, features, bias, k, ignore_index, denominator, check_values=check_values)   # it checks the logits' values
     sel = select_from_bounds(bounds, cand, budget, weights, eps)
     if not return_grad: return sel
     return sel, kept_grad(logits, labels, features, sel.drop, None, grad_weights, bias, ignore_index, denominator)

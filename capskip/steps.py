@@ -19,7 +19,7 @@ from .engine.node import inject_grad
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
                               token_correct)
-from .sequence_bounds import select_sequences_with
+from .sequence_bounds import parse_gram, select_sequences_with
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
@@ -207,7 +207,8 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     y = labels.to(z.device)
     y = y.long() if not y.is_floating_point() else y              # a float y is refused by the check below
     w = torch.ones(B, device=z.device) if weights is None else weights.detach().to(z.device, torch.float32)
-    check_sequence_inputs(z.detach(), y, features, w, ignore_index)
+    topk = parse_gram(gram)[0] == 'topk'
+    check_sequence_inputs(z.detach(), y, features, w, ignore_index, logit_values=not topk)   # top-k: its softmax pass checks the logits
     n_tok, n_ok = token_correct(z, y, ignore_index)               # labelled and correct tokens per row
     w = torch.where(n_tok > 0, w, torch.zeros_like(w))            # a row without labelled token: G_i = 0, nothing to back-propagate
     if denominator is None: den = n_tok.sum().clamp_min(1).to(torch.float64)
@@ -215,10 +216,10 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
         if isinstance(denominator, bool) or not float(denominator) >= 0:
             raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
         den = torch.as_tensor(float(denominator), dtype=torch.float64, device=z.device).clamp_min(1.0)
-    cand = sequence_candidates(z, y, candidates, ignore_index)
+    cand = sequence_candidates(z, y, candidates, ignore_index, counts=(n_tok, n_ok))   # no second argmax pass
     if exclude_upweighted: cand = cand & (w <= 1)
     sel = select_sequences_with(gram, z.detach(), y, features, budget, cand, w if weighted else None, bias,
-                           SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=False,
+                           SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=None if topk else False,
                            return_grad=head_grad, grad_weights=w)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)

@@ -114,15 +114,16 @@ def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk, ro
     assert bool((parts.lower <= K + tol).all()) and bool((K <= parts.upper + tol).all())
 
 
-@pytest.mark.parametrize('rows', [1, 2, 4, 9])
-def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_softmax_at_U(monkeypatch, rows):
-    "V with blocks (V > 64(k+1)): the block maxima and the softmax pass in chunks of _PASS_ELEMENTS // V rows, the search in batches of _PASS_ELEMENTS // 64(k+1), give one pass's split; p at U is the float64 softmax there; a split without labels, or with other labels, is refused by the pair terms."
+@pytest.mark.parametrize('rows,stage', [(1, 1), (1, 4), (2, 5), (4, 100), (9, 2)])
+def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_softmax_at_U(monkeypatch, rows, stage):
+    "V with blocks (V > 64(k+1)): the block maxima and the softmax pass in chunks of _PASS_ELEMENTS // V rows, the search in batches of _PASS_ELEMENTS // 64(k+1), e at U staged in groups of whole chunks (_STAGE_ELEMENTS // V rows, a partial last group), give one pass's split; p at U is the float64 softmax there; a split without labels, or with other labels, is refused by the pair terms."
     import capskip.sequence_bounds as sb
     g = torch.Generator().manual_seed(7)
     z = torch.randn(9, 1500, generator=g, dtype=torch.float64) * 4
     y = torch.randint(0, 1500, (9,), generator=g)
     whole = sb.top_split(z, 5, torch.float64, y)
     monkeypatch.setattr(sb, '_PASS_ELEMENTS', rows * 1500)
+    monkeypatch.setattr(sb, '_STAGE_ELEMENTS', stage * 1500)
     parts = sb.top_split(z, 5, torch.float64, y)
     for a, b in zip(whole, parts): torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
     assert parts.columns.tolist() == sorted(set(parts.index.flatten().tolist()) | set(y.tolist()))
@@ -197,3 +198,29 @@ def test_block_topk_finds_the_exact_top_values_with_ties_and_minus_infinity(V):
     torch.testing.assert_close(S, torch.where(z.double() > sp.theta[:, None], p, 0.0), rtol=1e-14, atol=0)
     torch.testing.assert_close(sp.tail_sq, (p - S).square().sum(1), rtol=1e-13, atol=0)
     torch.testing.assert_close(sp.lse, torch.logsumexp(z.double(), 1), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize('gram', ['block', 'topk'])
+def test_masked_columns_have_probability_zero_and_bad_logits_are_refused_in_one_line(gram):
+    "A −Inf logit (a masked vocabulary column) has probability 0: the exact Gram and the top-k bounds match the float64 brute force with those columns masked; NaN, +Inf, or a token whose every logit is −Inf, are refused in one line (the top-k path finds them in its softmax pass, through each token's log-sum-exp, not in a pass of its own)."
+    import math
+    from capskip.sequence import sequence_gram
+    z, y, h = batch(3)
+    z[:, :, 5:9] = -math.inf
+    y = torch.where((y >= 5) & (y < 9), 0, y)                       # labels on unmasked columns: a finite loss
+    _, K = exact_gram(z, y, h, True)
+    assert bool(torch.isfinite(K).all())
+    tol = 1e-12 * K.abs().max()
+    if gram == 'topk':
+        lo, up = topk_gram_bounds(z, y, h, k=4)
+        assert bool((lo <= K + tol).all()) and bool((K <= up + tol).all())
+        lo, up = topk_gram_bounds(z, y, h, k=23)                   # k ≥ V: exact (the masked columns are in no one's top-k)
+        torch.testing.assert_close(lo, K, rtol=0, atol=float(tol)); torch.testing.assert_close(up, K, rtol=0, atol=float(tol))
+    else: torch.testing.assert_close(sequence_gram(z, y, h, method='block'), K, rtol=1e-10, atol=float(tol))
+    select_sequences_with(gram, z, y, h, 0.1)
+    for where, bad in (((1, 2, 3), math.nan), ((0, 5, 22), math.inf), ((2, 0), -math.inf)):
+        zb = z.clone(); zb[where] = bad
+        with pytest.raises(ValueError, match=r'NaN or \+Inf values, or a token whose every logit is -Inf'):
+            select_sequences_with(gram, zb, y, h, 0.1)
+        if gram == 'topk':                                          # without the check the bounds are not finite: it is the only guard
+            assert not bool(torch.isfinite(topk_gram_bounds(zb, y, h, k=4, check_values=False).upper).all())

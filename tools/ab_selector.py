@@ -2,7 +2,8 @@
 
 Usage: python tools/ab_selector.py REV [--layers N] [--batch B] [--seq L] [--repeats R] [--allocator timing|default]
 
-Loads `capskip/sequence_bounds.py` as it was at git revision REV (its imports resolve to this checkout's other modules) and
+Loads `capskip/sequence_bounds.py` as it was at git revision REV (its imports resolve to this checkout's other modules,
+but its row-chunk size is REV's `capskip.sequence.PASS_ELEMENTS`) and
 times `select_sequences_topk` from it and from this checkout on one batch of the benchmark's LM (`capskip bench step
 --model width_lm`: GPT-2-small width, V = 50257, random ids), round by round, so a machine whose speed drifts shares
 both columns. Checks first that both give the same Gram bounds. `--allocator timing` re-executes this script under
@@ -10,7 +11,7 @@ both columns. Checks first that both give the same Gram bounds. `--allocator tim
 does not fault its pages in again on every call); `default` keeps glibc's (allocations over 32 MB are mmapped and
 faulted in on each call, as in a plain training process).
 """
-import argparse, os, statistics, subprocess, sys, time, types
+import argparse, os, re, statistics, subprocess, sys, time, types
 
 
 def load_at(rev: str) -> types.ModuleType:
@@ -23,6 +24,9 @@ def load_at(rev: str) -> types.ModuleType:
     mod = types.ModuleType('capskip._sequence_bounds_at_rev')
     mod.__package__ = 'capskip'
     exec(compile(src, f'{rev}:capskip/sequence_bounds.py', 'exec'), mod.__dict__)
+    seq = subprocess.run(['git', 'show', f'{rev}:capskip/sequence.py'], capture_output=True, text=True).stdout
+    chunk = re.search(r'^PASS_ELEMENTS = 1 << (\d+)', seq, re.M)       # the row-chunk size it imported, as it was at `rev`
+    if chunk and '_PASS_ELEMENTS = PASS_ELEMENTS' in src: mod._PASS_ELEMENTS = 1 << int(chunk.group(1))
     return mod
 
 
@@ -58,7 +62,8 @@ def main() -> int:
     ratios = sorted(n / o for o, n in zip(times[ns.rev], times[head]))
     print(f'{machine_name("cpu")}, torch {torch.__version__}, allocator {ns.allocator}; WidthLM {ns.layers} blocks, '
           f'B={ns.batch}, L={ns.seq}, V=50257; select_sequences_topk (top-16), {ns.repeats} interleaved rounds')
-    print(f'bounds at {ns.rev} and {head}: largest difference {diff:.1e} of the largest entry')
+    print(f'bounds at {ns.rev} and {head}: largest difference {diff:.1e} of the largest entry; row chunks of '
+          f'{old._PASS_ELEMENTS} and {here._PASS_ELEMENTS} logits')
     for k in fns: print(f'{k:>10}: median {med[k]:7.1f} ms (min {min(times[k]):.1f}, max {max(times[k]):.1f})')
     print(f'{head} / {ns.rev}: median of the per-round ratios {statistics.median(ratios):.3f} '
           f'(middle half {ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f})')

@@ -216,7 +216,7 @@ def bench_topk_phases(model: WidthLM, B: int, L: int, repeats: int = 3, warmup: 
     sp = top_split(zf, k, torch.float32, yc)
     columns, bounds = pair_columns(sp, yc), topk_gram_bounds(z, y, h, bias=False, k=k, check_values=False)
     every = torch.ones(B, dtype=torch.bool, device=z.device)
-    ms = interleaved_ms({'dense': dense_step(model, x, y), 'check': lambda: check_sequence_inputs(z, y, h, check_values=True),
+    ms = interleaved_ms({'dense': dense_step(model, x, y), 'check': lambda: check_sequence_inputs(z, y, h, check_values=True, logit_values=False),
                          'split': lambda: top_split(zf, k, torch.float32, yc), 'columns': lambda: pair_columns(sp, yc),
                          'pairs': lambda: pair_sums(sp, columns, hf, yc, L, zf),
                          'rule': lambda: select_from_bounds(bounds, every, budget),

@@ -153,7 +153,7 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
     if phases:
         print(format_topk_phases_table(phases))
         print('phases of select_sequences_topk (top-16 bounds), each timed alone, interleaved with the dense step: check (input '
-              'and value checks), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms, p at U), columns (pair_columns: the sparse S over U), '
+              'and value checks; the logits\' values are checked by the split, through its log-sum-exps), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms, p at U), columns (pair_columns: the sparse S over U), '
               'pairs (pair_sums: the sparse products, the feature Gram), rule (select_from_bounds); select: '
               'the whole call; u: |U|.')
     if ns.record:

@@ -39,7 +39,7 @@ def check_token_labels(logits: torch.Tensor, labels, ignore_index: int = IGNORE_
                          f'({ignore_index} = ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape '
                          f'{tuple(getattr(labels, "shape", ()))}')
 
-_PASS_ELEMENTS = PASS_ELEMENTS   # token rows per chunk of the softmax: [n, V] at most 2²¹ entries (8 MB in fp32), in cache through its passes
+_PASS_ELEMENTS = PASS_ELEMENTS   # token rows per chunk of the softmax: [n, V] at most 2¹⁹ entries (2 MB in fp32), in L2 through its sweeps
 
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
