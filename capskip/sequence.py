@@ -278,13 +278,14 @@ def select_blocks_reference(G: Tensor, correct: Tensor, budget: float, weights: 
     return drop, (dropped / total if total > 0 else 0.0)
 
 # %% ../nbs/00d_sequence.ipynb #0b299651
-def token_correct(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
-    "Per row: labelled tokens, and labelled tokens whose argmax is the label (long [B] each); on a CPU by `amax`, with argmax itself only where the label attains the maximum."
+def token_correct(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX,
+                  peak: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    "Per row: labelled tokens, and labelled tokens whose argmax is the label (long [B] each); on a CPU by `amax` (none given `peak` [B, L], each token's largest logit), with argmax itself only where the label attains the maximum."
     mask, z = labels != ignore_index, logits.detach()
-    if z.device.type != 'cpu': return mask.sum(1), ((z.argmax(-1) == labels) & mask).sum(1)
+    if z.device.type != 'cpu': return mask.sum(1), ((z.argmax(-1) == labels) & mask).sum(1)   # no host read for the tie rule
     V = z.shape[-1]
     at = torch.where(mask, labels, torch.zeros_like(labels)).clamp(0, V - 1)   # any valid column; compared below
-    top = (z.gather(-1, at[..., None])[..., 0] == z.amax(-1)) & mask        # the label attains the maximum
+    top = (z.gather(-1, at[..., None])[..., 0] == (z.amax(-1) if peak is None else peak.to(z.dtype))) & mask   # the label attains the maximum
     t, hit = top.nonzero(as_tuple=True), torch.zeros_like(mask)              # argmax's tie rule there only
     step = max(1, PASS_ELEMENTS // V)                                       # z is never flattened (no copy of a slice)
     for i in range(0, t[0].numel(), step):

@@ -21,8 +21,8 @@ from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, SOFTMAX_
 
 # %% auto #0
 __all__ = ['TOPK', 'GRAMS', 'block_maxima', 'top_in_blocks', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split',
-           'pair_columns', 'GramBounds', 'pair_sums', 'topk_gram_bounds', 'topk_gram_costs', 'select_from_bounds',
-           'select_sequences_topk', 'parse_gram', 'select_sequences_with']
+           'token_split', 'pair_columns', 'GramBounds', 'pair_sums', 'topk_gram_bounds', 'topk_gram_costs',
+           'select_from_bounds', 'select_sequences_topk', 'parse_gram', 'select_sequences_with']
 
 # %% ../nbs/00e_sequence_bounds.ipynb #f979557e
 TOPK = 16                  # our assumption: each token's k largest probabilities are kept exactly (section 5 measures k)
@@ -75,9 +75,10 @@ def top_entries(z: Tensor, k: int, dt: torch.dtype) -> TopEntries:
     return TopEntries(t[:, :kk], ix[:, :kk], theta)
 
 class TopSplit(NamedTuple):
-    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`; with labels, U (`columns`) and e_t = exp(z_t − max z_t) there (`at`, [u, T]; p_t = e_t·`scale`_t)."
+    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`; with labels, U (`columns`) and e_t = exp(z_t − max z_t) there (`at`, [u, T]; p_t = e_t·`scale`_t); `peak` max z_t and `total` Σ_v e_v (lse = peak + ln total)."
     lse: Tensor; values: Tensor; index: Tensor; theta: Tensor; tail_sq: Tensor
     columns: Tensor | None = None; at: Tensor | None = None; scale: Tensor | None = None
+    peak: Tensor | None = None; total: Tensor | None = None
 
 def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) -> TopSplit:
     "For flat [T, V] logits: `top_entries`, then one softmax pass per row chunk, e = exp(z − max z): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T] (columns in [0, V): an ignored token's any), e at U = every top-k column and label."
@@ -108,7 +109,14 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
         if at is not None: at[:, g0:g1] = q[:g1 - g0].T                 # one wide transposed write per group
     vals = (top / total[:, None]).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
     tail = (norm.square() + top.masked_fill(s, 0.0).square().sum(1)) / total.square()   # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
-    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, total.reciprocal() if keep_at else None)
+    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, total.reciprocal() if keep_at else None, m[:, 0], total)
+
+def token_split(logits: Tensor, labels: Tensor, k: int = TOPK, ignore_index: int = IGNORE_INDEX) -> TopSplit:
+    "`top_split` of [B, L, V] logits with their [B, L] labels (an ignored token's: column 0), as `topk_gram_bounds` takes it: one softmax pass a caller can share (`lse`: each token's loss; `peak`: its argmax check)."
+    B, L, V = logits.shape
+    y = labels.reshape(B * L)
+    yc = torch.where(y != ignore_index, y, torch.zeros_like(y)).long()
+    return top_split(logits.detach().reshape(B * L, V), k, torch.promote_types(logits.dtype, torch.float32), yc)
 
 # %% ../nbs/00e_sequence_bounds.ipynb #2fbf3cfc
 def pair_columns(sp: TopSplit, yc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -162,8 +170,9 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Te
     return Z, W
 
 def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, k: int = TOPK,
-                     ignore_index: int = IGNORE_INDEX, denominator=None, *, check_values: bool | None = None) -> GramBounds:
-    "Certified bounds on K from each token's top-k probabilities (section 2): cost T·V + T·u + T²(2k + d̃), T = B·L (`topk_gram_costs`)."
+                     ignore_index: int = IGNORE_INDEX, denominator=None, *, check_values: bool | None = None,
+                     split: TopSplit | None = None) -> GramBounds:
+    "Certified bounds on K from each token's top-k probabilities (section 2): cost T·V + T·u + T²(2k + d̃), T = B·L (`topk_gram_costs`); `split`: `token_split` of these logits and labels, if already taken."
     check_sequence_inputs(logits, labels, features, None, ignore_index, check_values, logit_values=False)   # the logits: by the softmax pass below
     if not isinstance(k, int) or isinstance(k, bool) or k < 1: raise ValueError(f'k must be an integer ≥ 1 (e.g. {TOPK}), got {k!r}')
     B, L, V = logits.shape
@@ -175,7 +184,9 @@ def topk_gram_bounds(logits: Tensor, labels: Tensor, features: Tensor, bias: boo
     zf = logits.detach().reshape(T, V)
     h = features.detach().reshape(T, -1).to(dt)
     if bias: h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
-    sp = top_split(zf, k, dt, yc)
+    if split is not None and (split.lse.shape != (T,) or split.index.shape[1] != min(k, V) or split.columns is None):
+        raise ValueError(f'split must be token_split(logits, labels, k={k}) of these [{B}, {L}, {V}] logits and their labels')
+    sp = token_split(logits, labels, k, ignore_index) if split is None else split
     if values_checked(check_values, logits, labels) and not bool(torch.isfinite(sp.lse).all()):   # NaN, +Inf or an all −Inf token reach its lse
         raise ValueError(SOFTMAX_LOGITS_ERROR)
     Z, W = pair_sums(sp, pair_columns(sp, yc), h * mask[:, None].to(dt), yc, L, zf)   # an ignored token has r·h̃ᵀ = 0: its g row is 0
@@ -210,11 +221,11 @@ def select_sequences_topk(logits: Tensor, labels: Tensor, features: Tensor, budg
                           candidates: str | Tensor = DEFAULT_CANDIDATES, weights: Tensor | None = None, bias: bool = True,
                           eps: float = SELECTOR_EPS, k: int = TOPK, ignore_index: int = IGNORE_INDEX, denominator=None,
                           *, check_values: bool | None = None, return_grad: bool = False,
-                          grad_weights: Tensor | None = None) -> Selection | tuple[Selection, Tensor]:
-    "`select_sequences` on `topk_gram_bounds`: the same guarantee ‖D‖ ≤ b‖G‖ at the top-k Gram's cost (it may drop fewer rows)."
+                          grad_weights: Tensor | None = None, split: TopSplit | None = None) -> Selection | tuple[Selection, Tensor]:
+    "`select_sequences` on `topk_gram_bounds`: the same guarantee ‖D‖ ≤ b‖G‖ at the top-k Gram's cost (it may drop fewer rows); `split`: `token_split`'s, if already taken."
     check_sequence_inputs(logits, labels, features, weights, ignore_index, check_values, logit_values=False)
     cand = sequence_candidates(logits, labels, candidates, ignore_index) if isinstance(candidates, str) else candidates
-    bounds = topk_gram_bounds(logits, labels, features, bias, k, ignore_index, denominator, check_values=check_values)   # it checks the logits' values
+    bounds = topk_gram_bounds(logits, labels, features, bias, k, ignore_index, denominator, check_values=check_values, split=split)   # it checks the logits' values
     sel = select_from_bounds(bounds, cand, budget, weights, eps)
     if not return_grad: return sel
     return sel, kept_grad(logits, labels, features, sel.drop, None, grad_weights, bias, ignore_index, denominator)
@@ -233,11 +244,14 @@ def parse_gram(gram: str) -> tuple[str, int]:
 def select_sequences_with(gram: str, logits: Tensor, labels: Tensor, features: Tensor, budget: float = DEFAULT_BUDGET,
                           candidates: str | Tensor = DEFAULT_CANDIDATES, weights: Tensor | None = None, bias: bool = True,
                           eps: float = SELECTOR_EPS, ignore_index: int = IGNORE_INDEX, denominator=None,
-                          *, check_values: bool | None = None, return_grad: bool = False, grad_weights: Tensor | None = None):
-    "The sequence rule with the Gram named by `gram` (`parse_gram`): `select_sequences` or `select_sequences_topk`."
+                          *, check_values: bool | None = None, return_grad: bool = False, grad_weights: Tensor | None = None,
+                          split: TopSplit | None = None):
+    "The sequence rule with the Gram named by `gram` (`parse_gram`): `select_sequences` or `select_sequences_topk` (`split`: `token_split`'s, top-k only)."
     method, k = parse_gram(gram)
     if method == 'topk':
         return select_sequences_topk(logits, labels, features, budget, candidates, weights, bias, eps, k, ignore_index,
-                                     denominator, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights)
+                                     denominator, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights,
+                                     split=split)
+    if split is not None: raise ValueError(f"split is the top-k Gram's softmax pass: pass it with gram='topk', not {gram!r}")
     return select_sequences(logits, labels, features, budget, candidates, weights, bias, eps, method, ignore_index,
                             denominator, VOCAB_CHUNK, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights)

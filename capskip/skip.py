@@ -197,7 +197,7 @@ class CAPSkip:
             if fwd.logits.ndim == 3 and o.temperature == 1.0 and fwd.autograd:   # no [B, L, V] gradient, no saved log-softmax
                 with torch.no_grad(): self.loss(fwd.logits, y, weights, shift_labels=shift_labels)   # the rule and the statistics
                 kept = self.engine.loss_backward(fwd, self._labels(fwd.logits, y, shift_labels)[1], self.last.applied,
-                                                 ignore_index=o.ignore_index)   # (1/N) Σ applied_i Σ_t CE: the same gradient
+                                                 ignore_index=o.ignore_index, softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
             else:
                 self.loss(fwd.logits, y, weights, shift_labels=shift_labels).backward()
                 kept = int(self.last.kept)               # the step's one host read

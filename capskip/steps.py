@@ -19,7 +19,7 @@ from .engine.node import inject_grad
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
                               token_correct)
-from .sequence_bounds import parse_gram, select_sequences_with
+from .sequence_bounds import parse_gram, select_sequences_with, token_split
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
@@ -40,6 +40,7 @@ class StepStats:
     correct: Tensor           # 0-d long, forwarded rows the model classified correctly
     should_step: bool = True  # take an optimizer step now (Selective-Backprop pools rows across steps)
     all_rows: bool = False    # `step`: the backward ran over every row though some were dropped (reuse could not slice: exact, no saving)
+    token_softmax: tuple | None = None   # sequence rows, top-k Gram, temperature 1: each token's (max logit, Σ exp(z − max)), [B, L] each, from its softmax pass
 
 # %% ../nbs/01m_steps.ipynb #24e8a859
 class DeviceCounters:
@@ -177,12 +178,13 @@ def shifted_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
         raise ValueError(f'labels must be token ids [B, L], got shape {tuple(getattr(labels, "shape", ()))}')
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], 1)
 
-def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    "Each token's cross-entropy [B, L] (0 where ignored), values only: lse − z_y per cache-sized chunk of rows (one chunk on a GPU), each exponent clamped at `exp_floor`, with no [B·L, V] log-softmax."
+def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, lse: Tensor | None = None) -> Tensor:
+    "Each token's cross-entropy [B, L] (0 where ignored), values only: lse − z_y per cache-sized chunk of rows (one chunk on a GPU), each exponent clamped at `exp_floor`, with no [B·L, V] log-softmax; `lse` [B·L]: each token's log-sum-exp, if known (no pass)."
     B, L, V = logits.shape
     z, y = logits.detach().reshape(B * L, V), labels.reshape(B * L)
     dt, mask = torch.promote_types(z.dtype, torch.float32), y != ignore_index
     yc = torch.where(mask, y, torch.zeros_like(y)).long()
+    if lse is not None: return (lse.reshape(B * L).to(dt) - z.gather(1, yc[:, None])[:, 0].to(dt)).masked_fill_(~mask, 0.0).view(B, L)
     out = torch.empty(B * L, dtype=dt, device=z.device)
     step = max(1, PASS_ELEMENTS // V) if z.device.type == 'cpu' else max(1, B * L)
     floor, c = exp_floor(dt), torch.empty(min(step, B * L), V, dtype=dt, device=z.device)
@@ -207,9 +209,11 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     y = labels.to(z.device)
     y = y.long() if not y.is_floating_point() else y              # a float y is refused by the check below
     w = torch.ones(B, device=z.device) if weights is None else weights.detach().to(z.device, torch.float32)
-    topk = parse_gram(gram)[0] == 'topk'
+    method, k = parse_gram(gram)
+    topk = method == 'topk'
     check_sequence_inputs(z.detach(), y, features, w, ignore_index, logit_values=not topk)   # top-k: its softmax pass checks the logits
-    n_tok, n_ok = token_correct(z, y, ignore_index)               # labelled and correct tokens per row
+    split = token_split(z, y, k, ignore_index) if topk else None  # the top-k Gram's one softmax pass, shared below
+    n_tok, n_ok = token_correct(z, y, ignore_index, None if split is None else split.peak.view(B, L))   # labelled and correct tokens per row
     w = torch.where(n_tok > 0, w, torch.zeros_like(w))            # a row without labelled token: G_i = 0, nothing to back-propagate
     if denominator is None: den = n_tok.sum().clamp_min(1).to(torch.float64)
     else:
@@ -220,17 +224,18 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     if exclude_upweighted: cand = cand & (w <= 1)
     sel = select_sequences_with(gram, z.detach(), y, features, budget, cand, w if weighted else None, bias,
                            SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=None if topk else False,
-                           return_grad=head_grad, grad_weights=w)
+                           return_grad=head_grad, grad_weights=w, split=split)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)
     if z.requires_grad and torch.is_grad_enabled():                # the user's graph: back-propagated through autograd
         tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
-    else: tok = token_losses(z, y, ignore_index)                    # values only (CAPSkip.step, evaluation): no [B·L, V] temporary
+    else: tok = token_losses(z, y, ignore_index, None if split is None else split.lse)   # values only (CAPSkip.step, evaluation): no [B·L, V] temporary; top-k: lse − z_y, no pass
     per_row = tok.sum(1)
     loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
     losses = per_row.detach()
     stats = StepStats((applied > 0).sum(), B, sel.distortion, losses.sum(), losses, applied, sel.drop,
-                      ((n_ok == n_tok) & (n_tok > 0)).sum())
+                      ((n_ok == n_tok) & (n_tok > 0)).sum(),
+                      token_softmax=(split.peak.view(B, L), split.total.view(B, L)) if split is not None and temperature == 1.0 else None)   # for the kept rows' gradient
     return (loss, stats, g if temperature == 1 else g.div_(temperature)) if head_grad else (loss, stats)
 
 # %% ../nbs/01m_steps.ipynb #c4e2a7b2

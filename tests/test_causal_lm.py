@@ -148,6 +148,7 @@ def test_a_topk_gram_drops_sequences_and_the_kept_rows_gradient_is_exact(mode):
     _, _, got = step(skip, model, batch)
     s = skip.last
     assert skip.options.gram == 'topk:4' and 0 < int(s.kept) < B, s.drop
+    assert s.token_softmax is not None and all(tuple(t.shape) == tuple(batch['labels'].shape) for t in s.token_softmax)   # the split's sums, reused
     worst, glob = errors(got, reference(model, batch, s.applied))
     assert worst <= 1e-5 and glob <= 1e-5, (mode, worst, glob)
     assert errors(got, reference(model, batch, torch.ones(B)))[0] > 1e-3   # the control: the all-kept gradient differs

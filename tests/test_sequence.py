@@ -245,3 +245,24 @@ def test_token_losses_in_row_chunks_are_the_float64_cross_entropy(monkeypatch, r
     ref = F.cross_entropy(z.double().flatten(0, 1), y.flatten(), reduction='none', ignore_index=-100).view(3, 7)
     with torch.no_grad(): st = steps.sequence_loss(z, torch.randn(3, 7, 4, generator=g), y, budget=0.0)[1]
     torch.testing.assert_close(st.losses.double(), ref.sum(1), rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize('rows', [None, [0, 2, 3]])
+def test_the_kept_rows_gradient_from_the_splits_softmax_sums_is_the_same_numbers(monkeypatch, rows):
+    "sequence_grad_logits given `softmax` (each token's max logit and Σ exp(z − max), from the top-k Gram's split: no max or sum sweep of its own) gives bit for bit the gradient it computes alone, in chunks that end inside a sequence, for all rows or some; the split's log-sum-exp gives token_losses' values; a wrong shape is one line."
+    from capskip.engine import facade
+    from capskip.sequence_bounds import token_split
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 6, 300, generator=g) * 28                       # spread 28: far tails clamped at exp_floor
+    y = torch.randint(0, 300, (4, 6), generator=g); y[1, :3] = -100
+    sp = token_split(z, y, 8)
+    soft = (sp.peak.view(4, 6), sp.total.view(4, 6))
+    r = None if rows is None else torch.tensor(rows)
+    for chunk in (300 * 7, 1 << 19):                                  # 7 tokens a chunk: chunks end inside a sequence
+        monkeypatch.setattr(facade, '_PASS_ELEMENTS', chunk)
+        alone, shared = facade.sequence_grad_logits(z, y, rows=r), facade.sequence_grad_logits(z, y, rows=r, softmax=soft)
+        assert torch.equal(alone, shared)
+    from capskip import steps
+    assert torch.equal(steps.token_losses(z, y, lse=sp.lse), steps.token_losses(z, y))
+    with pytest.raises(ValueError, match=r'softmax must be \(max logit'):
+        facade.sequence_grad_logits(z, y, softmax=(sp.peak, sp.total))   # flat [T], not [B, L]

@@ -29,7 +29,7 @@ from ..runs.models import create_model
 from ..engine.facade import sequence_grad_logits
 from ..selector import residuals, select
 from ..sequence import IGNORE_INDEX
-from ..sequence_bounds import select_sequences_with
+from ..sequence_bounds import parse_gram, select_sequences_with, token_split
 from .sequence import WidthLM, token_batch
 from .keeps import parse_keeps, realised_keep, show_k
 from .records import record_header, write_record
@@ -118,9 +118,9 @@ class StepRunner:
         return torch.zeros(B, dtype=torch.bool).index_fill_(0, rows, True).to(self.device)
 
     def loss_grad(self, logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, denominator=None,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        "d/dz of (1/den) Σ w_i CE_i: per row (den: the batch), or per labelled token of sequence rows (den: their count; `rows`: only theirs)."
-        if y.ndim == 2: return sequence_grad_logits(logits, y, weights, denominator, rows=rows)
+                  rows: torch.Tensor | None = None, softmax: tuple | None = None) -> torch.Tensor:
+        "d/dz of (1/den) Σ w_i CE_i: per row (den: the batch), or per labelled token of sequence rows (den: their count; `rows`: only theirs; `softmax`: the top-k split's per-token max and sum)."
+        if y.ndim == 2: return sequence_grad_logits(logits, y, weights, denominator, rows=rows, softmax=softmax)
         return ce_residuals(logits, y) * (weights / (len(self.y) if denominator is None else denominator))[:, None]
 
     def step(self, mode: str, k: float) -> dict:
@@ -130,9 +130,12 @@ class StepRunner:
         self._sync(); t0 = time.perf_counter()
         fwd = engine.forward(self.x)
         self._sync(); t1 = time.perf_counter()
-        res = None
+        res = soft = None
         if mode != 'dense' and self.y.ndim == 2:           # sequence rows: the row Gram of G_i = Σ_t r_t h̃_tᵀ / N
-            sel = select_sequences_with(self.gram, fwd.logits, self.y, fwd.features, self.budget); del sel
+            method, k = parse_gram(self.gram)                # top-k: its softmax pass, shared with the kept rows' gradient (as CAPSkip.step does)
+            split = token_split(fwd.logits, self.y, k) if method == 'topk' else None
+            sel = select_sequences_with(self.gram, fwd.logits, self.y, fwd.features, self.budget, split=split); del sel
+            if split is not None: soft = tuple(t.view(self.y.shape) for t in (split.peak, split.total)); del split
         elif mode != 'dense':
             res = residuals(fwd.logits, self.y)
             sel = select(res, fwd.features.float(), fwd.logits.argmax(1) == self.y, self.budget); del sel
@@ -140,7 +143,7 @@ class StepRunner:
         keep = torch.ones(B, dtype=torch.bool, device=self.device) if mode == 'dense' else self.keep_mask(k)
         if res is not None: grad = res * (keep.float() / B)[:, None]
         elif mode == 'dense': grad = self.loss_grad(fwd.logits, self.y, keep.float())
-        else: grad = self.loss_grad(fwd.logits, self.y, keep.float(), rows=keep.nonzero().squeeze(1))   # [kept, L, V]: Engine.backward takes the kept rows alone
+        else: grad = self.loss_grad(fwd.logits, self.y, keep.float(), rows=keep.nonzero().squeeze(1), softmax=soft)   # [kept, L, V]: Engine.backward takes the kept rows alone
         self._sync(); t3 = time.perf_counter()
         engine.backward(fwd, grad, keep)
         del fwd, res, grad

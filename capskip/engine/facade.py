@@ -43,8 +43,8 @@ _PASS_ELEMENTS = PASS_ELEMENTS   # token rows per chunk of the softmax: [n, V] a
 
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
-                         rows: torch.Tensor | None = None) -> torch.Tensor:
-    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y) with exponents clamped at `exp_floor`, 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's)."
+                         rows: torch.Tensor | None = None, softmax: tuple | None = None) -> torch.Tensor:
+    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y) with exponents clamped at `exp_floor`, 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's); `softmax`: each token's (max logit, Σ exp(z − max) over the clamped exponents), [B, L] each, if known (the top-k Gram's pass: no max or sum sweep, the same numbers)."
     B, L, V = logits.shape
     check_token_labels(logits, labels, ignore_index)
     y = labels.to(logits.device).long()
@@ -57,25 +57,34 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
         if not den > 0: raise ValueError(f'denominator must be > 0, got {denominator}')
     dt = torch.promote_types(logits.dtype, torch.float32)
     z, w = logits.detach(), torch.ones(B, device=logits.device, dtype=dt) if row_weights is None else row_weights.detach().to(dt)
-    if rows is not None: z, y, mask, w = (t.index_select(0, rows) for t in (z, y, mask, w))   # the kept rows' gradient alone
+    if softmax is not None:
+        if not (isinstance(softmax, tuple) and len(softmax) == 2 and all(isinstance(t, torch.Tensor) and tuple(t.shape) == (B, L) for t in softmax)):
+            raise ValueError(f'softmax must be (max logit, Σ exp(z − max)) per token, two [B, L] = [{B}, {L}] tensors (or None)')
+        softmax = tuple(t.detach().to(dt) for t in softmax)
+    if rows is not None:                                                # the kept rows' gradient alone
+        z, y, mask, w = (t.index_select(0, rows) for t in (z, y, mask, w))
+        if softmax is not None: softmax = tuple(t.index_select(0, rows) for t in softmax)
     res = z.to(dt, memory_format=torch.contiguous_format, copy=rows is None)   # the one [B, L, V] buffer, written in place
     flat, floor = res.view(-1, V), exp_floor(dt)
     scale = (mask.to(dt) * (w / den).to(dt)[:, None]).reshape(-1, 1)   # w_i/N per token, 0 where ignored
     step = max(1, _PASS_ELEMENTS // V) if flat.device.type == 'cpu' else max(1, flat.shape[0])   # a GPU: one pass, few launches
+    known = None if softmax is None else tuple(t.reshape(-1, 1) for t in softmax)
     for i in range(0, flat.shape[0], step):                             # a chunk of rows stays in cache through its passes
         x = flat[i:i + step]
-        x.sub_(x.amax(1, keepdim=True)).clamp_(min=floor).exp_()        # exp(z − max z), exponents ≥ the floor: never subnormal
-        x.mul_(scale[i:i + step] / x.sum(1, keepdim=True))              # (w_i/N) softmax(z)
+        peak = x.amax(1, keepdim=True) if softmax is None else known[0][i:i + step]
+        x.sub_(peak).clamp_(min=floor).exp_()                           # exp(z − max z), exponents ≥ the floor: never subnormal
+        x.mul_(scale[i:i + step] / (x.sum(1, keepdim=True) if softmax is None else known[1][i:i + step]))   # (w_i/N) softmax(z)
     flat.scatter_add_(1, torch.where(mask, y, 0).reshape(-1, 1), -scale)  # − (w_i/N) e_y
     return res
 
 def ce_grad_logits(logits: torch.Tensor, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                    denominator: float | None = None, label_smoothing: float = 0.0,
                    residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
-    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 or the logits' float64 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits` (`rows`: only theirs)."
+                   rows: torch.Tensor | None = None, softmax: tuple | None = None) -> torch.Tensor:
+    "d/dz of (1/denominator) Σ w_i CE(z_i, y_i): (w_i/denominator)(softmax(z_i) − y_i), in fp32 or the logits' float64 (`residuals`: that softmax − y, if known); logits [B, L, V] of sequence rows: `sequence_grad_logits` (`rows`: only theirs; `softmax`: its per-token max and sum, if known)."
     if logits.ndim == 3 and residuals is None and label_smoothing == 0.0:
-        return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index, rows)
+        return sequence_grad_logits(logits, targets, row_weights, denominator, ignore_index, rows, softmax)
+    if softmax is not None: raise ValueError("softmax (each token's max logit and sum) is for sequence rows' logits [B, L, V] without label_smoothing or residuals")
     if logits.ndim != 2:
         raise ValueError(f'logits must be [B, C] (or [B, L, V] of sequence rows, without label_smoothing or residuals), '
                          f'got shape {tuple(logits.shape)}')
@@ -345,8 +354,8 @@ class Engine:
 
     def loss_backward(self, fwd: Forward, targets: torch.Tensor, row_weights: torch.Tensor | None = None,
                       denominator: float | None = None, label_smoothing: float = 0.0,
-                      residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> int:
-        "Back-propagate (1/denominator) Σ row_weights_i CE(z_i, y_i) (sequence rows: `sequence_grad_logits`); kept rows are row_weights > 0 (with a labelled token). Returns the kept count."
+                      residuals: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX, softmax: tuple | None = None) -> int:
+        "Back-propagate (1/denominator) Σ row_weights_i CE(z_i, y_i) (sequence rows: `sequence_grad_logits`, `softmax` its per-token max and sum if known); kept rows are row_weights > 0 (with a labelled token). Returns the kept count."
         B = fwd.logits.shape[0]
         if row_weights is not None and row_weights.shape != (B,):
             raise ValueError(f'row_weights must have shape [{B}], got {tuple(row_weights.shape)}')
@@ -356,5 +365,5 @@ class Engine:
         if sequences: keep = keep & (targets.to(dev) != ignore_index).any(1)   # no labelled token: G_i = 0
         kept = self._ready(fwd, keep)
         rows = kept_indices(keep, kept) if sequences and kept < B else None   # sequence rows: [kept, L, V], not [B, L, V]
-        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals, ignore_index, rows)
+        grad = ce_grad_logits(fwd.logits, targets, row_weights, denominator, label_smoothing, residuals, ignore_index, rows, softmax)
         return self._backward(fwd, grad, keep, kept)
