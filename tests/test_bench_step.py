@@ -156,3 +156,31 @@ def test_width_lm_and_seq_go_together(capsys):
         with pytest.raises(SystemExit) as e: main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and ('--seq' in err or '--width' in err) and 'Traceback' not in err, err
+
+
+@pytest.mark.parametrize('gram', ['auto', 'topk:4'])
+def test_causal_lm_step_backpropagates_round_kB_rows_with_their_exact_gradient(gram):
+    "runner.step on sequence rows: the selective modes back-propagate round(k·B) seeded rows (a Gram's own k, top-k's, is not the kept fraction) with autograd's gradient of those rows' token loss (1/N); with top-k the kept rows' softmax sums come from the selector's split."
+    import torch
+    import torch.nn.functional as F
+    from capskip.bench.step import StepBench, build_runner
+    runner = build_runner(StepBench(model='width_lm', seq=6, batch=8, width=64, vocab=300, layers=1, keeps=[0.375], gram=gram))
+    for mode in ('masked', 'reuse'):
+        seen, engine = {}, runner.engines[mode]
+        def spy(fwd, grad, keep, *extra, backward=engine.backward):
+            kept = backward(fwd, grad, keep, *extra)
+            seen.update(keep=keep.clone(), shape=tuple(grad.shape),
+                        grads={n: p.grad.clone() for n, p in runner.model.named_parameters() if p.grad is not None})
+            return kept
+        engine.backward = spy
+        try: runner.step(mode, 0.375)
+        finally: del engine.backward                                  # the instance attribute: the method again
+        keep = seen['keep']
+        assert int(keep.sum()) == 3 and seen['shape'] == (3, 6, 300), (mode, keep, seen['shape'])
+        runner.model.zero_grad(set_to_none=True)
+        z = runner.model(runner.x)
+        tok = F.cross_entropy(z.flatten(0, 1), runner.y.flatten(), reduction='none', ignore_index=-100).view(8, 6)
+        (tok.sum(1)[keep].sum() / (runner.y != -100).sum()).backward()
+        for n, p in runner.model.named_parameters():
+            torch.testing.assert_close(seen['grads'][n], p.grad, atol=1e-6, rtol=1e-4)
+        runner.model.zero_grad(set_to_none=True)

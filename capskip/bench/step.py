@@ -132,8 +132,8 @@ class StepRunner:
         self._sync(); t1 = time.perf_counter()
         res = soft = None
         if mode != 'dense' and self.y.ndim == 2:           # sequence rows: the row Gram of G_i = Σ_t r_t h̃_tᵀ / N
-            method, k = parse_gram(self.gram)                # top-k: its softmax pass, shared with the kept rows' gradient (as CAPSkip.step does)
-            split = token_split(fwd.logits, self.y, k) if method == 'topk' else None
+            method, top = parse_gram(self.gram)              # top-k: its softmax pass, shared with the kept rows' gradient (as CAPSkip.step does)
+            split = token_split(fwd.logits, self.y, top) if method == 'topk' else None
             sel = select_sequences_with(self.gram, fwd.logits, self.y, fwd.features, self.budget, split=split); del sel
             if split is not None: soft = tuple(t.view(self.y.shape) for t in (split.peak, split.total)); del split
         elif mode != 'dense':
