@@ -12,10 +12,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, target_classes
 from .engine import Engine
-from .engine.node import inject_grad
+from .engine.facade import sequence_grad_logits
+from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
                               token_correct)
@@ -24,7 +26,8 @@ from .sequence_bounds import parse_gram, select_sequences_with, token_split
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
            'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'shifted_labels', 'token_losses', 'sequence_loss', 'sequence_step', 'check_step_inputs']
+           'device_generator', 'shifted_labels', 'token_losses', 'SequenceCE', 'sequence_loss', 'sequence_step',
+           'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -195,6 +198,29 @@ def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDE
         out[i:j] = m[:, 0] + x.sum(1).log() - zc.gather(1, yc[i:j, None])[:, 0].to(dt)
     return out.masked_fill_(~mask, 0.0).view(B, L)
 
+class SequenceCE(torch.autograd.Function):
+    "(1/den) Σ_i a_i ℓ_i from the rows' losses ℓ [B], an autograd node over [B, L, V] logits that saves nothing of their size; its backward builds (a_i/den)(softmax(z) − e_y) with `sequence_grad_logits`, of the kept rows alone when the logits are a skipping engine's own (`hand_over`)."
+    @staticmethod
+    def forward(ctx, logits: Tensor, per_row: Tensor, labels: Tensor, applied: Tensor, den: Tensor, ignore_index: int,
+                softmax: tuple | None) -> Tensor:
+        ctx.save_for_backward(logits, labels, applied, den)
+        ctx.ignore_index, ctx.softmax = ignore_index, softmax
+        return (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        logits, labels, applied, den = ctx.saved_tensors
+        w = applied.to(torch.float64) * grad_loss.to(torch.float64) / den   # the loss's own scale (GradScaler, accumulation) and 1/den
+        node = logits.grad_fn.node if isinstance(logits.grad_fn, SkipBackward._backward_cls) else None
+        rows = None
+        if node is not None and not (logits._backward_hooks or logits.retains_grad):   # a hook or .grad sees every row
+            keep = applied > 0
+            kept = int(keep.sum())                                      # the step's one host read (the node takes it)
+            if kept < keep.shape[0]: rows = kept_indices(keep, kept)
+        g = sequence_grad_logits(logits, labels, w, 1.0, ctx.ignore_index, rows, ctx.softmax)
+        return (g if rows is None else hand_over(node, logits, g, keep, kept)), None, None, None, None, None, None
+
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
                   bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
@@ -227,15 +253,17 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
                            return_grad=head_grad, grad_weights=w, split=split)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)
-    if z.requires_grad and torch.is_grad_enabled():                # the user's graph: back-propagated through autograd
+    graph = z.requires_grad and torch.is_grad_enabled()           # the user's graph: back-propagated through autograd
+    if graph and temperature != 1.0:
         tok = F.cross_entropy(z.reshape(B * L, V), y.reshape(B * L), reduction='none', ignore_index=ignore_index).view(B, L)
-    else: tok = token_losses(z, y, ignore_index, None if split is None else split.lse)   # values only (CAPSkip.step, evaluation): no [B·L, V] temporary; top-k: lse − z_y, no pass
+    else: tok = token_losses(z, y, ignore_index, None if split is None else split.lse)   # values only: no [B·L, V] temporary; top-k: lse − z_y, no pass
     per_row = tok.sum(1)
-    loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
+    softmax = (split.peak.view(B, L), split.total.view(B, L)) if split is not None and temperature == 1.0 else None
+    if graph and temperature == 1.0: loss = SequenceCE.apply(logits, per_row, y, applied, den, ignore_index, softmax)
+    else: loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
     losses = per_row.detach()
     stats = StepStats((applied > 0).sum(), B, sel.distortion, losses.sum(), losses, applied, sel.drop,
-                      ((n_ok == n_tok) & (n_tok > 0)).sum(),
-                      token_softmax=(split.peak.view(B, L), split.total.view(B, L)) if split is not None and temperature == 1.0 else None)   # for the kept rows' gradient
+                      ((n_ok == n_tok) & (n_tok > 0)).sum(), token_softmax=softmax)   # for the kept rows' gradient
     return (loss, stats, g if temperature == 1 else g.div_(temperature)) if head_grad else (loss, stats)
 
 # %% ../nbs/01m_steps.ipynb #c4e2a7b2

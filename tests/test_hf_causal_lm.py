@@ -154,18 +154,15 @@ def test_lora_step_at_budget_half_is_autograd_of_the_kept_sequences(counted, dat
         return loss
     trainer.compute_loss = compute_loss
     trainer.train()
-    twin = copy.deepcopy(base)
     n = sum(int((inputs['labels'][:, 1:] != -100).sum()) for inputs, *_ in micro)       # labelled tokens after the shift
     assert [count for *_, count in micro] == [n, n]         # the Trainer's num_items_in_batch (a Llama: after the shift)
-    for inputs, applied, _ in micro:
-        logits = twin(input_ids=inputs['input_ids'], attention_mask=inputs['attention_mask']).logits
-        y = inputs['labels'][:, 1:]
-        tok = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y.reshape(-1), reduction='none').view(y.shape)
-        (tok.sum(1) * applied).sum().div(n).backward()
-    want = model_grads(twin)
+    want, want32 = (kept_sequences_grads(base, micro, n, dt) for dt in (torch.float64, torch.float32))
     assert sorted(recorder.grads) == sorted(want) and all('lora_' in k for k in want)
+    # float32 autograd of the same loss is 1.9-2.4e-5 from float64 here (this model predicts most tokens: its residuals
+    # 1 - p are small and their float32 round-off is not): the skipped gradient must be as close to float64 as it is
     worst, overall = grad_errors(recorder.grads, want)
-    assert worst <= 1e-5 and overall <= 1e-5, (worst, overall)
+    own = grad_errors(want32, want)
+    assert worst <= 1.5 * own[0] + 1e-6 and overall <= 1.5 * own[1] + 1e-6, (worst, overall, own)
     kept = [int((a > 0).sum()) for _, a, _ in micro]
     assert len(micro) == 2 and 0 < sum(kept) < 16, kept                                  # rows were dropped, some kept
     log = trainer.state.log_history[0]
@@ -173,6 +170,17 @@ def test_lora_step_at_budget_half_is_autograd_of_the_kept_sequences(counted, dat
     assert 0 < log['capskip/distortion'] <= 0.5 + 1e-6
     everyone = grad_errors(recorder.grads, reference_all_rows(base, micro, n))[1]
     assert everyone > 1e-2, everyone                                                    # the dropped rows mattered
+
+
+def kept_sequences_grads(base, micro, n, dtype):
+    "Plain autograd in `dtype` of Σ_m Σ_i a_i Σ_t CE_it / n over the recorded micro-batches (labels shifted), gradients in float64."
+    twin = copy.deepcopy(base).to(dtype)
+    for inputs, applied, _ in micro:
+        logits = twin(input_ids=inputs['input_ids'], attention_mask=inputs['attention_mask']).logits
+        y = inputs['labels'][:, 1:]
+        tok = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y.reshape(-1), reduction='none').view(y.shape)
+        (tok.sum(1) * applied.to(dtype)).sum().div(n).backward()
+    return {k: g.double() for k, g in model_grads(twin).items()}
 
 
 def reference_all_rows(base, micro, n):

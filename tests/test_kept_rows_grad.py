@@ -29,6 +29,20 @@ class LargestOutput(TorchDispatchMode):
         return out
 
 
+class LargestNew(LargestOutput):
+    "`LargestOutput` of the storages made while active: a view of `existing` tensors' storages (the logits' detach) does not count."
+    def __init__(self, *existing: torch.Tensor):
+        super().__init__()
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.existing:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
 def lm():
     torch.manual_seed(0)
     return WidthLM(layers=1, d=16, vocab=V, heads=2, max_len=L, features=False)
@@ -149,3 +163,71 @@ def test_sequence_grad_logits_is_float64_autograds_on_wide_logits_without_subnor
         assert float(nonzero.min()) >= torch.finfo(torch.float32).tiny     # no subnormal entry
         assert (ref.abs() < 1e-40).any()                                   # the reference's far tail is (sub)normal-small: the clamp was needed
     assert torch.equal(full, before)
+
+
+def plain_grads(loss_of):
+    "The model's gradients from plain autograd of `loss_of(logits, y)` (the reference: no engine, F.cross_entropy)."
+    model = lm()
+    x, y = token_batch(B, L, V, seed=3)
+    loss_of(model(x), y).backward()
+    return model_grads(model)
+
+
+def weighted_ce(logits, y, w=KEEP.float()):
+    "(1/N) Σ_i w_i Σ_t CE(z_it, y_it), N the batch's labelled tokens: what skip.loss returns at budget 0."
+    tok = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction='none', ignore_index=-100).view(B, L)
+    return (tok.sum(1) * w).sum() / (y != -100).sum()
+
+
+def aux_loss(logits):
+    "A second term on every row's logits (a z-loss), so dropped rows get a gradient from it."
+    return 1e-3 * torch.logsumexp(logits, -1).square().mean()
+
+
+SKIP_LOSSES = {                                  # (skip.loss → what is back-propagated, the same on plain logits)
+    'loss': (lambda loss, z: loss, lambda z, y: weighted_ce(z, y)),
+    'scaled': (lambda loss, z: loss * 3.0, lambda z, y: 3.0 * weighted_ce(z, y)),       # GradScaler, accumulation
+    'plus a z-loss': (lambda loss, z: loss + aux_loss(z), lambda z, y: weighted_ce(z, y) + aux_loss(z)),
+}
+
+
+@pytest.mark.parametrize('name', list(SKIP_LOSSES))
+@pytest.mark.parametrize('mode', ['reuse', 'reforward', 'masked'])
+def test_skip_loss_backward_on_sequences_is_plain_autograds_gradient(mode, name):
+    "`skip.loss(skip(x), y)` then `.backward()` (sequence_loss's SequenceCE node): the gradient of plain autograd's loss."
+    from capskip import CAPSkip
+    of_loss, reference = SKIP_LOSSES[name]
+    model = lm()
+    skip = CAPSkip(model, mode=mode, budget=0.0)
+    x, y = token_batch(B, L, V, seed=3)
+    logits = skip(x)
+    of_loss(skip.loss(logits, y, weights=KEEP.float()), logits).backward()
+    ref = plain_grads(reference)
+    top, rel = grad_errors(model_grads(model), ref)
+    assert top < 1e-5 and rel < 1e-5, (mode, name, top, rel)
+    top, _ = grad_errors(model_grads(model), plain_grads(lambda z, y: weighted_ce(z, y, torch.ones(B))))
+    assert top > 1e-3                                                   # the control: every row's gradient differs
+    skip.close()
+
+
+def test_skip_loss_backward_on_sequences_builds_no_tensor_of_every_rows_logits():
+    "In reuse, `skip.loss(...).backward()` hands the node the kept rows' [2, L, V] gradient alone; a hook on the logits still sees every row's."
+    from capskip import CAPSkip
+    x, y = token_batch(B, L, V, seed=3)
+    skip = CAPSkip(lm(), mode='reuse', budget=0.0)
+    logits = skip(x)
+    loss = skip.loss(logits, y, weights=KEEP.float())
+    with LargestNew(logits) as seen: loss.backward()
+    assert 2 * L * V <= seen.largest < B * L * V
+    logits, hooked = skip(x), []
+    logits.register_hook(lambda g: hooked.append(g.clone()))
+    loss = skip.loss(logits, y, weights=KEEP.float())
+    with LargestNew(logits) as seen: loss.backward()
+    assert seen.largest >= B * L * V and hooked[0].shape == (B, L, V)  # the hook was given every row's gradient
+    assert float(hooked[0][~KEEP].abs().max()) == 0.0 and float(hooked[0][KEEP].abs().max()) > 0
+    dense = CAPSkip(lm(), mode='dense', budget=0.0)                     # the control: dense back-propagates every row
+    logits = dense(x)
+    loss = dense.loss(logits, y, weights=KEEP.float())
+    with LargestNew(logits) as seen: loss.backward()
+    assert seen.largest >= B * L * V
+    skip.close(); dense.close()
