@@ -218,7 +218,7 @@ class SequenceCE(torch.autograd.Function):
             keep = applied > 0
             kept = int(keep.sum())                                      # the step's one host read (the node takes it)
             if kept < keep.shape[0]: rows = kept_indices(keep, kept)
-        g = sequence_grad_logits(logits, labels, w, 1.0, ctx.ignore_index, rows, ctx.softmax)
+        g = sequence_grad_logits(logits, labels, w, 1.0, ctx.ignore_index, rows, ctx.softmax).to(logits.dtype)   # bf16/fp16 logits: theirs
         return (g if rows is None else hand_over(node, logits, g, keep, kept)), None, None, None, None, None, None
 
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
