@@ -214,7 +214,7 @@ class SequenceCE(torch.autograd.Function):
         w = applied.to(torch.float64) * grad_loss.to(torch.float64) / den   # the loss's own scale (GradScaler, accumulation) and 1/den
         node = logits.grad_fn.node if isinstance(logits.grad_fn, SkipBackward._backward_cls) else None
         rows = None
-        if node is not None and not (logits._backward_hooks or logits.retains_grad):   # a hook or .grad sees every row
+        if node is not None and node.rows_grad is None and not (logits._backward_hooks or logits.retains_grad):   # a hook or .grad sees every row; a second hand-over would replace the first
             keep = applied > 0
             kept = int(keep.sum())                                      # the step's one host read (the node takes it)
             if kept < keep.shape[0]: rows = kept_indices(keep, kept)

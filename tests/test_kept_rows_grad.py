@@ -255,3 +255,17 @@ def test_skip_loss_backward_on_bf16_logits_hands_the_node_a_gradient_of_their_dt
     top, rel = grad_errors(got['loss'], got['step'])
     assert top < 2e-2 and rel < 2e-2, (top, rel)                        # bf16 round-off at most
     assert grad_errors(got['every row'], got['step'])[0] > 0.1          # the control: every row's gradient differs
+
+
+def test_two_skip_losses_on_the_same_logits_add_up():
+    "`skip.loss(z, y, w1) + skip.loss(z, y, w2)`: the node takes one hand-over, the second loss gives every row's gradient (a second hand-over replaced the first: a wrong gradient)."
+    from capskip import CAPSkip
+    x, y = token_batch(B, L, V, seed=3)
+    other = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    model = lm()
+    skip = CAPSkip(model, mode='reuse', budget=0.0)
+    logits = skip(x)
+    (skip.loss(logits, y, weights=KEEP.float()) + skip.loss(logits, y, weights=other)).backward()
+    top, rel = grad_errors(model_grads(model), plain_grads(lambda z, y: weighted_ce(z, y) + weighted_ce(z, y, other)))
+    assert top < 1e-5 and rel < 1e-5, (top, rel)
+    skip.close()
