@@ -107,7 +107,11 @@ def main() -> int:
     import torch
     from capskip.bench.step import machine_name
     from capskip.core import MEMORY_ALLOCATOR, TIMING_ALLOCATOR
-    ms, peak = launch(ns, 'time', TIMING_ALLOCATOR), launch(ns, 'memory', MEMORY_ALLOCATOR)
+    print(f'loss_path: timing {1 + 2 * len(ns.keeps)} configurations x {ns.repeats} repetitions (2 blocks: about a minute; '
+          '12 blocks: several) ...', file=sys.stderr, flush=True)
+    ms = launch(ns, 'time', TIMING_ALLOCATOR)
+    print('loss_path: peak memory, in a fresh process ...', file=sys.stderr, flush=True)
+    peak = launch(ns, 'memory', MEMORY_ALLOCATOR)
     head = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()
     print(f'$ python tools/loss_path.py --layers {ns.layers} --batch {ns.batch} --seq {ns.seq} --keep {ns.keep} --repeats {ns.repeats}')
     print(f'{machine_name("cpu")}, torch {torch.__version__}, at {head or "?"}, {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}; '
