@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, target_classes
 from .engine import Engine
 from .engine.facade import sequence_grad_logits
-from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices
+from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, probe_leaf
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
                               token_correct)
@@ -202,9 +202,9 @@ class SequenceCE(torch.autograd.Function):
     "(1/den) Σ_i a_i ℓ_i from the rows' losses ℓ [B], an autograd node over [B, L, V] logits that saves nothing of their size; its backward builds (a_i/den)(softmax(z) − e_y) with `sequence_grad_logits`, of the kept rows alone when the logits are a skipping engine's own (`hand_over`)."
     @staticmethod
     def forward(ctx, logits: Tensor, per_row: Tensor, labels: Tensor, applied: Tensor, den: Tensor, ignore_index: int,
-                softmax: tuple | None) -> Tensor:
+                softmax: tuple | None, probe: Tensor) -> Tensor:
         ctx.save_for_backward(logits, labels, applied, den)
-        ctx.ignore_index, ctx.softmax = ignore_index, softmax
+        ctx.ignore_index, ctx.softmax, ctx.probe = ignore_index, softmax, probe   # probe: a `probe_leaf` (is this a plain .backward()?)
         return (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)
 
     @staticmethod
@@ -213,13 +213,14 @@ class SequenceCE(torch.autograd.Function):
         logits, labels, applied, den = ctx.saved_tensors
         w = applied.to(torch.float64) * grad_loss.to(torch.float64) / den   # the loss's own scale (GradScaler, accumulation) and 1/den
         node = logits.grad_fn.node if isinstance(logits.grad_fn, SkipBackward._backward_cls) else None
+        acc = next((f for f, _ in ctx.next_functions if getattr(f, 'variable', None) is ctx.probe), None)
         rows = None
-        if node is not None and node.rows_grad is None and not (logits._backward_hooks or logits.retains_grad):   # a hook or .grad sees every row; a second hand-over would replace the first
+        if may_hand_over(node, logits, acc):                              # else every row: a hook, .grad, autograd.grad or a second hand-over sees them
             keep = applied > 0
             kept = int(keep.sum())                                      # the step's one host read (the node takes it)
             if kept < keep.shape[0]: rows = kept_indices(keep, kept)
         g = sequence_grad_logits(logits, labels, w, 1.0, ctx.ignore_index, rows, ctx.softmax).to(logits.dtype)   # bf16/fp16 logits: theirs
-        return (g if rows is None else hand_over(node, logits, g, keep, kept)), None, None, None, None, None, None
+        return (g if rows is None else hand_over(node, logits, g, keep, kept)), None, None, None, None, None, None, None
 
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
@@ -259,7 +260,7 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     else: tok = token_losses(z, y, ignore_index, None if split is None else split.lse)   # values only: no [B·L, V] temporary; top-k: lse − z_y, no pass
     per_row = tok.sum(1)
     softmax = (split.peak.view(B, L), split.total.view(B, L)) if split is not None and temperature == 1.0 else None
-    if graph and temperature == 1.0: loss = SequenceCE.apply(logits, per_row, y, applied, den, ignore_index, softmax)
+    if graph and temperature == 1.0: loss = SequenceCE.apply(logits, per_row, y, applied, den, ignore_index, softmax, probe_leaf())
     else: loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
     losses = per_row.detach()
     stats = StepStats((applied > 0).sum(), B, sel.distortion, losses.sum(), losses, applied, sel.drop,

@@ -269,3 +269,50 @@ def test_two_skip_losses_on_the_same_logits_add_up():
     top, rel = grad_errors(model_grads(model), plain_grads(lambda z, y: weighted_ce(z, y) + weighted_ce(z, y, other)))
     assert top < 1e-5 and rel < 1e-5, (top, rel)
     skip.close()
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'reforward', 'masked'])
+def test_autograd_grad_of_skip_loss_gives_the_logits_gradient_not_the_nodes_stand_in(mode):
+    "`torch.autograd.grad(skip.loss(z, y), ...)` captures the logits' gradient: every row's (the node's stand-in, a zero of their shape, was returned before), and the parameters' with it; a plain backward of the same loss afterwards gets no rows left over from it (they were added twice)."
+    from capskip import CAPSkip
+    x, y = token_batch(B, L, V, seed=3)
+    ref = plain_grads(weighted_ce)
+    model = lm()
+    skip = CAPSkip(model, mode=mode, budget=0.0)
+    logits = skip(x)
+    zr = logits.detach().clone().requires_grad_()
+    want, = torch.autograd.grad(weighted_ce(zr, y), zr)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    got = torch.autograd.grad(skip.loss(logits, y, weights=KEEP.float()), [logits] + [p for _, p in named])
+    assert float((got[0] - want).abs().max()) <= 1e-6 * float(want.abs().max()), mode
+    top, rel = grad_errors({n: g for (n, _), g in zip(named, got[1:])}, ref)
+    assert top < 1e-5 and rel < 1e-5, (mode, top, rel)
+    logits = skip(x)
+    loss = skip.loss(logits, y, weights=KEEP.float())
+    alone, = torch.autograd.grad(loss, logits, retain_graph=True)      # the node does not run: the logits' gradient only
+    assert float((alone - want).abs().max()) <= 1e-6 * float(want.abs().max()), mode
+    loss.backward()
+    top, rel = grad_errors(model_grads(model), ref)
+    assert top < 1e-5 and rel < 1e-5, (mode, top, rel)
+    skip.close()
+
+
+def test_skip_loss_backward_with_inputs_gets_every_parameters_gradient():
+    "`loss.backward(inputs=params)` (the backward need not accumulate into every leaf): every row's gradient, no hand-over, plain autograd's result."
+    import capskip.steps as steps
+    from capskip import CAPSkip
+    x, y = token_batch(B, L, V, seed=3)
+    model = lm()
+    skip = CAPSkip(model, mode='reuse', budget=0.0)
+    handed, real = [], steps.hand_over
+    steps.hand_over = lambda *a: handed.append(1) or real(*a)
+    try:
+        skip.loss(skip(x), y, weights=KEEP.float()).backward(inputs=[p for p in model.parameters() if p.requires_grad])
+        assert handed == []
+        top, rel = grad_errors(model_grads(model), plain_grads(weighted_ce))
+        assert top < 1e-5 and rel < 1e-5, (top, rel)
+        model.zero_grad(set_to_none=True)
+        skip.loss(skip(x), y, weights=KEEP.float()).backward()           # the control: a plain backward hands over
+        assert handed == [1]
+    finally: steps.hand_over = real
+    skip.close()

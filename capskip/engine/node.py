@@ -17,8 +17,8 @@ from .types import Forward
 
 # %% auto #0
 __all__ = ['nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of', 'same_tensor', 'trainable', 'SkipNode', 'hand_over',
-           'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad', 'routed', 'data_parallel_wrapper',
-           'inside_ddp_forward', 'unsynced_forward']
+           'probe_leaf', 'whole_backward', 'may_hand_over', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad',
+           'inject_grad', 'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -68,6 +68,20 @@ def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, kee
     node.keep, node.kept, node.rows_grad = keep, kept, rows_grad
     node.marker = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
     return node.marker
+
+def probe_leaf() -> torch.Tensor:
+    "A leaf made for one backward's `whole_backward` check: an input of the loss's autograd Function, so that its `AccumulateGrad` sits in the graph."
+    return torch.zeros((), requires_grad=True)
+
+def whole_backward(acc) -> bool:
+    "Whether the running backward is a plain `.backward()`, which runs every node and accumulates into every leaf: `acc`, a `probe_leaf`'s `AccumulateGrad`, runs in no other (`torch.autograd.grad`, `backward(inputs=...)`)."
+    try: return bool(torch._C._will_engine_execute_node(acc))
+    except RuntimeError: return False                                   # no such query here (e.g. compiled autograd): say no
+
+def may_hand_over(node: SkipNode | None, logits: torch.Tensor, acc) -> bool:
+    "Whether a loss's backward may give `node` the kept rows' gradient alone (`hand_over`): the logits are its output, nothing watches them (hook, `retain_grad()`), it holds no hand-over yet, and the backward is a plain `.backward()` (`whole_backward`; `torch.autograd.grad` would return the stand-in as the logits' gradient)."
+    return (node is not None and node.rows_grad is None and not (logits._backward_hooks or logits.retains_grad)
+            and whole_backward(acc))
 
 def _groups(node: SkipNode) -> list[list[int]]:
     "The stages' parameter groups: the executor's (`grad_groups(mode, state, params)`, when it has one), else one stage of every parameter."
