@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, target_classes
 from .engine import Engine
@@ -26,8 +25,8 @@ from .sequence_bounds import parse_gram, select_sequences_with, token_split
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
            'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'shifted_labels', 'token_losses', 'SequenceCE', 'sequence_loss', 'sequence_step',
-           'check_step_inputs']
+           'device_generator', 'shifted_labels', 'token_losses', 'ce_grad_graph', 'SequenceCE', 'sequence_loss',
+           'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -198,6 +197,13 @@ def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDE
         out[i:j] = m[:, 0] + x.sum(1).log() - zc.gather(1, yc[i:j, None])[:, 0].to(dt)
     return out.masked_fill_(~mask, 0.0).view(B, L)
 
+def ce_grad_graph(logits: Tensor, labels: Tensor, w: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    "w_i (softmax(z_it) − e_{y_it}) (0 where ignored) of [B, L, V] logits as autograd ops, so that it can be differentiated again (`create_graph=True`)."
+    z = at_least_float32(logits)
+    mask = labels != ignore_index
+    r = torch.softmax(z, -1) - F.one_hot(torch.where(mask, labels, 0), z.shape[-1]).to(z.dtype)
+    return (r * (mask.to(z.dtype) * w.to(z.dtype)[:, None])[..., None]).to(logits.dtype)
+
 class SequenceCE(torch.autograd.Function):
     "(1/den) Σ_i a_i ℓ_i from the rows' losses ℓ [B], an autograd node over [B, L, V] logits that saves nothing of their size; its backward builds (a_i/den)(softmax(z) − e_y) with `sequence_grad_logits`, of the kept rows alone when the logits are a skipping engine's own (`hand_over`)."
     @staticmethod
@@ -208,9 +214,11 @@ class SequenceCE(torch.autograd.Function):
         return (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss: Tensor):
         logits, labels, applied, den = ctx.saved_tensors
+        if torch.is_grad_enabled():                                     # create_graph=True: every row's gradient as a graph
+            grads = ce_grad_graph(logits, labels, applied.double() * grad_loss.double() / den, ctx.ignore_index)   # (second order: its own backward)
+            return grads, None, None, None, None, None, None, None
         w = applied.to(torch.float64) * grad_loss.to(torch.float64) / den   # the loss's own scale (GradScaler, accumulation) and 1/den
         node = logits.grad_fn.node if isinstance(logits.grad_fn, SkipBackward._backward_cls) else None
         acc = next((f for f, _ in ctx.next_functions if getattr(f, 'variable', None) is ctx.probe), None)

@@ -6,19 +6,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
 from .types import Forward
 
 # %% auto #0
-__all__ = ['nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of', 'same_tensor', 'trainable', 'SkipNode', 'hand_over',
-           'probe_leaf', 'whole_backward', 'may_hand_over', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad',
-           'inject_grad', 'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
+__all__ = ['FIRST_ORDER_ERROR', 'LASTFIX_FIRST_ORDER_ERROR', 'nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of',
+           'same_tensor', 'trainable', 'SkipNode', 'hand_over', 'probe_leaf', 'whole_backward', 'may_hand_over',
+           'first_order', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad', 'routed',
+           'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -117,6 +118,28 @@ def _stage_grads(node: SkipNode, stage: int) -> list:
     if stage == len(node.groups) - 1: node.stream = None     # the last stage: nothing of the backward is left
     return grads
 
+FIRST_ORDER_ERROR = (b"capskip: mode='reuse' and 'reforward' compute first-order gradients only; for gradients of gradients "
+                     b"(create_graph=True, e.g. a gradient penalty) use mode='masked' or 'dense'")
+
+LASTFIX_FIRST_ORDER_ERROR = (b"capskip: reweight='det_lastfix' adds the dropped rows' head gradient as a constant, first order only; "
+                             b"for gradients of gradients (create_graph=True) use another reweight")
+
+def first_order(message: bytes = FIRST_ORDER_ERROR):
+    "Like `once_differentiable`, but strict and with capskip's line: the backward runs without a graph, and under `create_graph=True` its gradients always lead to `message` when differentiated again (`once_differentiable` lets them through as constants, a wrong second order, when no upstream gradient requires grad)."
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *args):
+            with torch.no_grad(): outputs = backward(ctx, *args)
+            if not torch.is_grad_enabled(): return outputs              # a plain backward (no create_graph)
+            outs = outputs if isinstance(outputs, tuple) else (outputs,)
+            def needs(v):                                               # an alias that requires grad, so the error node is reached
+                if v is None: return v
+                v = v.detach(); v.requires_grad = True
+                return v
+            return torch._C._functions.DelayedError(message, len(outs))(*[needs(v) for v in outs])
+        return wrapper
+    return decorate
+
 class SkipBackward(torch.autograd.Function):
     "The forward's logits as an autograd node; its backward runs the rows whose upstream gradient is non-zero and returns the first stage's gradients."
     @staticmethod
@@ -125,7 +148,7 @@ class SkipBackward(torch.autograd.Function):
         return box.pop()                                  # the logits (not an input: autograd would return a view)
 
     @staticmethod
-    @once_differentiable
+    @first_order()
     def backward(ctx, grad_logits: torch.Tensor):
         node = ctx.node
         node.stream = _start(node, grad_logits)
@@ -141,7 +164,7 @@ class SkipStage(torch.autograd.Function):
         return torch.zeros((), device=params[0].device)
 
     @staticmethod
-    @once_differentiable
+    @first_order()
     def backward(ctx, token: torch.Tensor):
         node, stage = ctx.node, ctx.stage
         if node.stream is None: raise RuntimeError('capskip: a stage of the backward ran before its first stage')
@@ -170,7 +193,7 @@ class InjectGrad(torch.autograd.Function):
         return tensors[0].new_zeros(())
 
     @staticmethod
-    @once_differentiable
+    @first_order(LASTFIX_FIRST_ORDER_ERROR)
     def backward(ctx, upstream: torch.Tensor):
         return (None, *(g * upstream.to(g.dtype) for g in ctx.grads), *(None for _ in ctx.grads))
 
