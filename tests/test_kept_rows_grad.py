@@ -4,43 +4,16 @@ from every row's gradient in every mode; a hook on the logits still sees every r
 to the logits' on the way is placed, not lost."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from capskip.bench.sequence import WidthLM, token_batch
 from capskip.engine import Engine
 from capskip.engine.facade import sequence_grad_logits
 from capskip.testing import grad_errors, model_grads
+from capskip.testing.oracles import LargestMade   # the largest tensor an op allocates (views do not count)
 
 B, L, V = 4, 8, 300
 KEEP = torch.tensor([True, False, True, False])
 ROWS = KEEP.nonzero().squeeze(1)
-
-
-class LargestOutput(TorchDispatchMode):
-    "The largest storage (in elements) behind any op's tensor output while active (a view of 1 element expanded counts 1)."
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor): self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
-class LargestNew(LargestOutput):
-    "`LargestOutput` of the storages made while active: a view of `existing` tensors' storages (the logits' detach) does not count."
-    def __init__(self, *existing: torch.Tensor):
-        super().__init__()
-        self.existing = {t.untyped_storage().data_ptr() for t in existing}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.existing:
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
 
 
 def lm():
@@ -78,13 +51,13 @@ def test_reuse_backward_builds_no_tensor_of_every_rows_logits():
     x, y = token_batch(B, L, V, seed=3)
     fwd = engine.forward(x)
     grad = sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS)
-    with LargestOutput() as seen: engine.backward(fwd, grad, KEEP)
-    assert 2 * L * V <= seen.largest < B * L * V   # the largest storage read is the kept rows' [2, L, V] gradient
+    with LargestMade() as seen: engine.backward(fwd, grad, KEEP)
+    assert 2 * L * V <= seen.largest < B * L * V   # the largest tensor made is the kept rows' [2, L, V] size
     fwd = engine.forward(x)                                             # the control: a hook on the logits
     hooked = []
     fwd.logits.register_hook(lambda g: hooked.append(g.clone()))
     grad = sequence_grad_logits(fwd.logits, y, KEEP.float(), rows=ROWS)
-    with LargestOutput() as seen: engine.backward(fwd, grad, KEEP)
+    with LargestMade() as seen: engine.backward(fwd, grad, KEEP)
     assert seen.largest >= B * L * V                                    # the hook was given every row's gradient
     torch.testing.assert_close(hooked[0][ROWS], grad, rtol=0, atol=0)
     assert float(hooked[0][~KEEP].abs().max()) == 0.0
@@ -217,18 +190,18 @@ def test_skip_loss_backward_on_sequences_builds_no_tensor_of_every_rows_logits()
     skip = CAPSkip(lm(), mode='reuse', budget=0.0)
     logits = skip(x)
     loss = skip.loss(logits, y, weights=KEEP.float())
-    with LargestNew(logits) as seen: loss.backward()
+    with LargestMade() as seen: loss.backward()
     assert 2 * L * V <= seen.largest < B * L * V
     logits, hooked = skip(x), []
     logits.register_hook(lambda g: hooked.append(g.clone()))
     loss = skip.loss(logits, y, weights=KEEP.float())
-    with LargestNew(logits) as seen: loss.backward()
+    with LargestMade() as seen: loss.backward()
     assert seen.largest >= B * L * V and hooked[0].shape == (B, L, V)  # the hook was given every row's gradient
     assert float(hooked[0][~KEEP].abs().max()) == 0.0 and float(hooked[0][KEEP].abs().max()) > 0
     dense = CAPSkip(lm(), mode='dense', budget=0.0)                     # the control: dense back-propagates every row
     logits = dense(x)
     loss = dense.loss(logits, y, weights=KEEP.float())
-    with LargestNew(logits) as seen: loss.backward()
+    with LargestMade() as seen: loss.backward()
     assert seen.largest >= B * L * V
     skip.close(); dense.close()
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..selector import Selection, select_reference
 from ..sequence import IGNORE_INDEX
@@ -19,7 +21,7 @@ from ..engine.check import call_model, model_grads
 
 # %% auto #0
 __all__ = ['HOST_READ_OPS', 'per_row_grads', 'realised_distortion', 'roundoff_tol', 'selector_disagreement', 'traced_ops',
-           'host_reads', 'sequence_grads']
+           'host_reads', 'sequence_grads', 'LargestMade']
 
 # %% ../../nbs/11c_testing_oracles.ipynb #c2869ec2
 def per_row_grads(R: Tensor, H: Tensor, weights: Tensor | None = None, bias: bool = True) -> Tensor:
@@ -95,3 +97,16 @@ def sequence_grads(model: nn.Module, inputs: dict, labels: Tensor, weights: Tens
     n = (labels != ignore_index).sum().clamp_min(1) if denominator is None else denominator
     ((tok.sum(1) * w).sum() / n).backward()
     return model_grads(ref)
+
+# %% ../../nbs/11c_testing_oracles.ipynb #afc638d4
+class LargestMade(TorchDispatchMode):
+    "The largest tensor (in elements) an op allocates while active: outputs that are views of its inputs do not count."
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in read: self.largest = max(self.largest, t.numel())
+        return out
