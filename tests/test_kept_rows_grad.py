@@ -206,8 +206,9 @@ def test_skip_loss_backward_on_sequences_builds_no_tensor_of_every_rows_logits()
     skip.close(); dense.close()
 
 
-def test_skip_loss_backward_on_bf16_logits_hands_the_node_a_gradient_of_their_dtype():
-    "A bf16 model's logits: `skip.loss(...).backward()` hands reuse's node bf16 kept rows (float32 crashed its matmuls) and gives `skip.step`'s gradients."
+@pytest.mark.parametrize('mode', ['reuse', 'reforward', 'masked'])
+def test_skip_loss_backward_on_bf16_logits_hands_the_node_a_gradient_of_their_dtype(mode):
+    "A bf16 model's logits: `skip.loss(...).backward()` hands reuse's and reforward's node bf16 kept rows (float32 crashed its matmuls; masked has no node: every row) and gives `skip.step`'s gradients."
     import capskip.steps as steps
     from capskip import CAPSkip
     x, y = token_batch(B, L, V, seed=3)
@@ -215,7 +216,7 @@ def test_skip_loss_backward_on_bf16_logits_hands_the_node_a_gradient_of_their_dt
     got = {}
     for path in ('step', 'loss', 'every row'):
         model = lm().to(torch.bfloat16)
-        skip = CAPSkip(model, mode='reuse', budget=0.0)
+        skip = CAPSkip(model, mode=mode, budget=0.0)
         w = torch.ones(B) if path == 'every row' else KEEP.float()
         if path == 'step': skip.step(x, y, weights=w)
         else:
@@ -224,9 +225,9 @@ def test_skip_loss_backward_on_bf16_logits_hands_the_node_a_gradient_of_their_dt
             finally: steps.hand_over = real
         got[path] = {k: g.double() for k, g in model_grads(model).items()}
         skip.close()
-    assert handed == [((2, L, V), torch.bfloat16)]                      # the kept rows, in the logits' dtype; every row: no hand-over
+    assert handed == ([] if mode == 'masked' else [((2, L, V), torch.bfloat16)])   # the kept rows, in the logits' dtype; every row: no hand-over
     top, rel = grad_errors(got['loss'], got['step'])
-    assert top < 2e-2 and rel < 2e-2, (top, rel)                        # bf16 round-off at most
+    assert top < 2e-2 and rel < 2e-2, (mode, top, rel)                  # bf16 round-off at most
     assert grad_errors(got['every row'], got['step'])[0] > 0.1          # the control: every row's gradient differs
 
 
