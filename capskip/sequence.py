@@ -18,10 +18,10 @@ from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sort
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'VOCAB_CHUNK', 'PASS_ELEMENTS', 'SOFTMAX_LOGITS_ERROR', 'GRAM_METHODS', 'DEFAULT_CANDIDATES',
-           'require_softmax_logits', 'check_sequence_inputs', 'exp_floor', 'residual_chunks', 'token_gram',
-           'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method', 'sequence_gram',
-           'gram_in_order', 'check_rule_inputs', 'select_from_gram', 'select_blocks_reference', 'token_correct',
-           'candidate_rule', 'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
+           'require_softmax_logits', 'check_sequence_inputs', 'exp_floor', 'floor_softmax', 'residual_chunks',
+           'token_gram', 'block_gram', 'row_grads_reference', 'rows_grad', 'kept_grad', 'gram_costs', 'pick_method',
+           'sequence_gram', 'gram_in_order', 'check_rule_inputs', 'select_from_gram', 'select_blocks_reference',
+           'token_correct', 'candidate_rule', 'sequence_candidates', 'select_sequences', 'Curve', 'distortion_curves']
 
 # %% ../nbs/00d_sequence.ipynb #945373d8
 IGNORE_INDEX = -100   # the label of a token that is not trained on (Hugging Face's and torch's default)
@@ -75,6 +75,11 @@ def exp_floor(dt: torch.dtype) -> float:
     "The exponent every `exp` of a softmax here is clamped at: ln(2^p·tiny) + 1 of `dt` (p significand bits; fp16/bf16 take float32's, the dtype they are computed in), so neither exp nor its product with a factor ≥ 2^-p is subnormal (slow paths on CPUs)."
     fi = torch.finfo(torch.promote_types(dt, torch.float32))    # float16's own would be ln(2^11·tiny) + 1 ≈ −1.1
     return math.log(2 * fi.tiny / fi.eps) + 1.0                # 2/eps = 2^p
+
+def floor_softmax(z: Tensor, peak: Tensor, floor: float, out: Tensor) -> Tensor:
+    "softmax over the last dim of max(z, peak + `floor` + ln V) into `out` (which may be z), `peak` [n, 1] each row's max: every probability is at least e^floor (the sum is at most V); ATen's own vectorised softmax, the same code on every CPU."
+    torch.clamp(z, min=peak + (floor + math.log(z.shape[-1])), out=out)
+    return torch.ops.aten._softmax.out(out, -1, False, out=out)
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:
     "float64 inputs stay float64; fp32/bf16/fp16 are computed in fp32."

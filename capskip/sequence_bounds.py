@@ -17,7 +17,7 @@ from .checks import values_checked
 from .core import DEFAULT_BUDGET, SELECTOR_EPS
 from .selector import Selection, finish_selection, full_scan_m, gram_dtype, sorted_prefixes, threshold_sq
 from .sequence import (DEFAULT_CANDIDATES, IGNORE_INDEX, PASS_ELEMENTS, SOFTMAX_LOGITS_ERROR, VOCAB_CHUNK, check_rule_inputs,
-                              check_sequence_inputs, kept_grad, exp_floor, gram_in_order, select_sequences, sequence_candidates)
+                              check_sequence_inputs, kept_grad, exp_floor, floor_softmax, gram_in_order, select_sequences, sequence_candidates)
 
 # %% auto #0
 __all__ = ['TOPK', 'GRAMS', 'block_maxima', 'top_in_blocks', 'block_topk', 'TopEntries', 'top_entries', 'TopSplit', 'top_split',
@@ -75,13 +75,13 @@ def top_entries(z: Tensor, k: int, dt: torch.dtype) -> TopEntries:
     return TopEntries(t[:, :kk], ix[:, :kk], theta)
 
 class TopSplit(NamedTuple):
-    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`; with labels, U (`columns`) and e_t = exp(z_t − max z_t) there (`at`, [u, T]; p_t = e_t·`scale`_t); `peak` max z_t and `total` Σ_v e_v (lse = peak + ln total)."
+    "Each token's softmax p_t = S_t + T_t: S_t its entries with logit above θ_t (`values` at `index`, 0 where not), ‖T_t‖² = `tail_sq`; with labels, U (`columns`) and p_t there (`at`, [u, T]); `peak` max z_t and `total` Σ_v exp(z_v − max z_t) = 1/p_t at the max (lse = peak − ln p_t[argmax])."
     lse: Tensor; values: Tensor; index: Tensor; theta: Tensor; tail_sq: Tensor
-    columns: Tensor | None = None; at: Tensor | None = None; scale: Tensor | None = None
+    columns: Tensor | None = None; at: Tensor | None = None
     peak: Tensor | None = None; total: Tensor | None = None
 
 def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) -> TopSplit:
-    "For flat [T, V] logits: `top_entries`, then one softmax pass per row chunk, e = exp(z − max z): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T] (columns in [0, V): an ignored token's any), e at U = every top-k column and label."
+    "For flat [T, V] logits: `top_entries`, then one softmax per row chunk (`floor_softmax`, with the max from the search): log-sum-exp, S_t, ‖T_t‖² (summed directly) and, given `labels` [T] (columns in [0, V): an ignored token's any), p at U = every top-k column and label."
     T, V = z.shape
     dev = z.device
     e = top_entries(z, k, dt)
@@ -89,27 +89,26 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
     s, m = e.top > e.theta[:, None], e.top[:, :1]                       # S_t (a tie with θ_t goes to the tail); the max, from the search
     U = None if labels is None else torch.unique(torch.cat([e.index.reshape(-1), labels.reshape(-1).long()]))
     keep_at = U is not None and U.numel() * T <= _AT_ELEMENTS           # else the pair terms gather p at U from z (bounded memory)
-    total, norm = torch.empty(T, dtype=dt, device=dev), torch.empty(T, dtype=dt, device=dev)
-    top = torch.empty(T, kk, dtype=dt, device=dev)
+    norm, top = torch.empty(T, dtype=dt, device=dev), torch.empty(T, kk, dtype=dt, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
     group = max(step, _STAGE_ELEMENTS // V // step * step) if keep_at else T   # rows staged per transposed write
     c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
     at = torch.empty(U.numel(), T, dtype=dt, device=dev) if keep_at else None
-    q = torch.empty(min(group, T), U.numel(), dtype=dt, device=dev) if keep_at else None   # a group's e at U, row-major
+    q = torch.empty(min(group, T), U.numel(), dtype=dt, device=dev) if keep_at else None   # a group's p at U, row-major
     for g0 in range(0, T, group):
         g1 = min(T, g0 + group)
         for i in range(g0, g1, step):
             j = min(g1, i + step)
-            x = torch.sub(z[i:j], m[i:j], out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp or product
-            torch.sum(x, 1, out=total[i:j])                              # Σ_v e_v ≥ 1
-            if at is not None: torch.gather(x, 1, U.expand(j - i, -1), out=q[i - g0:j - g0])   # e at U, while the chunk is in cache
+            x = floor_softmax(z[i:j], m[i:j], floor, c[:j - i])          # p_t, exponents ≥ the floor: no subnormal exp or product
+            if at is not None: torch.gather(x, 1, U.expand(j - i, -1), out=q[i - g0:j - g0])   # p at U, while the chunk is in cache
             torch.gather(x, 1, e.index[i:j], out=top[i:j])
             x.scatter_(1, e.index[i:j], 0.0)                             # the top-k entries out: the rest of the tail is left
             torch.linalg.vector_norm(x, dim=1, out=norm[i:j])
         if at is not None: at[:, g0:g1] = q[:g1 - g0].T                 # one wide transposed write per group
-    vals = (top / total[:, None]).masked_fill_(~s, 0.0)                  # p_t = e / Σ e at S_t's entries
-    tail = (norm.square() + top.masked_fill(s, 0.0).square().sum(1)) / total.square()   # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
-    return TopSplit(m[:, 0] + total.log(), vals, e.index, e.theta, tail, U, at, total.reciprocal() if keep_at else None, m[:, 0], total)
+    vals = top.masked_fill(~s, 0.0)                                      # p at S_t's entries
+    tail = norm.square() + top.masked_fill(s, 0.0).square().sum(1)      # Σ_{v ∉ S} p_v²: a sum of squares, no cancellation
+    lse = m[:, 0] - top[:, 0].log()                                      # p at the max is 1 / Σ_v exp(z_v − max z)
+    return TopSplit(lse, vals, e.index, e.theta, tail, U, at, m[:, 0], top[:, 0].reciprocal())
 
 def token_split(logits: Tensor, labels: Tensor, k: int = TOPK, ignore_index: int = IGNORE_INDEX) -> TopSplit:
     "`top_split` of [B, L, V] logits with their [B, L] labels (an ignored token's: column 0), as `topk_gram_bounds` takes it: one softmax pass a caller can share (`lse`: each token's loss; `peak`: its argmax check)."
@@ -154,11 +153,11 @@ def pair_sums(sp: TopSplit, columns: tuple, h: Tensor, yc: Tensor, L: int, z: Te
     Ss = torch.zeros(U.numel(), min(step, T), dtype=dt, device=dev)   # S_s over U, per chunk: written at k entries per column, then reset
     for s0 in range(0, T, step):
         s1 = min(T, s0 + step)
-        if sp.at is not None: P, r = sp.at[:, s0:s1], sp.scale[None, s0:s1]   # [u, s-chunk]: e_s[v] at U; p_s = e_s·r_s
-        else: P, r = z[s0:s1].T.index_select(0, U).to(dt).sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_(), None   # p_s[v]
+        if sp.at is not None: P = sp.at[:, s0:s1]                    # [u, s-chunk]: p_s[v] at U
+        else: P = z[s0:s1].T.index_select(0, U).to(dt).sub_(sp.lse[None, s0:s1]).clamp_(min=floor).exp_()   # p_s[v]
         g = h @ h[s0:s1].T                                           # [t, s]: ⟨h̃_t, h̃_s⟩
         N = (S @ P).sub_(P.index_select(0, ypos))
-        N = (N if r is None else N.mul_(r)).mul_(g)                  # (⟨S_t, p_s⟩ − p_s[y_t]) g
+        N = N.mul_(g)                                                # (⟨S_t, p_s⟩ − p_s[y_t]) g
         Sc = Ss[:, :s1 - s0].scatter_(0, cols[s0:s1].T, vals[s0:s1].T)   # S_s over U: its k entries, 0 elsewhere
         Sym = ((yc[:, None] == yc[None, s0:s1]).to(dt) - S @ Sc).mul_(g)   # ([y_t = y_s] − ⟨S_t, S_s⟩) g
         Sc.scatter_(0, cols[s0:s1].T, 0.0)                           # back to zeros for the next chunk (no [u, s] fill)

@@ -18,7 +18,7 @@ from .engine import Engine
 from .engine.facade import sequence_grad_logits
 from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, probe_leaf
 from .selector import last_layer_grad
-from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, sequence_candidates,
+from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, floor_softmax, sequence_candidates,
                               token_correct)
 from .sequence_bounds import parse_gram, select_sequences_with, token_split
 
@@ -192,9 +192,9 @@ def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDE
     floor, c = exp_floor(dt), torch.empty(min(step, B * L), V, dtype=dt, device=z.device)
     for i in range(0, B * L, step):
         zc, j = z[i:i + step], min(B * L, i + step)
-        m = zc.amax(1, keepdim=True).to(dt)
-        x = torch.sub(zc, m, out=c[:j - i]).clamp_(min=floor).exp_()   # exponents ≥ the floor: no subnormal exp
-        out[i:j] = m[:, 0] + x.sum(1).log() - zc.gather(1, yc[i:j, None])[:, 0].to(dt)
+        m, arg = zc.max(1, keepdim=True)
+        x = floor_softmax(zc, m.to(dt), floor, c[:j - i])                # exponents ≥ the floor: no subnormal exp
+        out[i:j] = (m[:, 0].to(dt) - x.gather(1, arg)[:, 0].log()) - zc.gather(1, yc[i:j, None])[:, 0].to(dt)   # lse = max − ln p(max)
     return out.masked_fill_(~mask, 0.0).view(B, L)
 
 def ce_grad_graph(logits: Tensor, labels: Tensor, w: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:

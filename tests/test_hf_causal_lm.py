@@ -99,12 +99,15 @@ def side_by_side(base, data, tmp_path, capskip=None, skipping=CAPSkipTrainer, pr
     return moved[0], moved[-1], trainer
 
 
-def assert_same(plain, skipped, tol=1e-5):
-    worst, overall = grad_errors(skipped, plain)          # error relative to the largest change; global relative error
-    assert worst <= tol and overall <= tol, (worst, overall)
+def assert_same(plain, skipped, tol=2e-4):
+    worst, overall = grad_errors(skipped, plain)          # each parameter's relative error (zero-safe); global relative error
+    assert worst <= tol and overall <= 1e-5, (worst, overall)
 
 
-# measured on this machine, float32: worst ≤ 4e-7 at budget 0 (the same tokens, summed in another order)
+# float32, the same tokens summed in another order. Measured on a 2-core AMD EPYC (GPT-2, accumulation): worst 4.7e-7 with
+# one thread, 4.3e-5 with two, from block 0's ln_2.weight, whose change is a small sum of terms that nearly cancel (a
+# softmax kernel in place of torch.exp moved it to 4.3e-5 with one thread too); overall ≤ 2e-7. A dropped row or a wrong
+# normalisation is off by 1e-2 or more.
 @pytest.mark.parametrize('name,config', [('gpt2', {}), ('llama', {}), ('gpt2', {'max_grad_norm': 0.05}),
                                          ('llama', {'gradient_accumulation_steps': 1})],
                          ids=['gpt2-accumulate', 'llama-accumulate', 'gpt2-clip', 'llama-no-accumulation'])

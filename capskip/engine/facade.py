@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..checks import values_checked
 from ..core import ce_residuals
-from ..sequence import IGNORE_INDEX, PASS_ELEMENTS, exp_floor
+from ..sequence import IGNORE_INDEX, PASS_ELEMENTS, exp_floor, floor_softmax
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
 from .inputs import ModelCall, pack_inputs
@@ -44,7 +44,7 @@ _PASS_ELEMENTS = PASS_ELEMENTS   # token rows per chunk of the softmax: [n, V] a
 def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor | None = None,
                          denominator: float | None = None, ignore_index: int = IGNORE_INDEX,
                          rows: torch.Tensor | None = None, softmax: tuple | None = None) -> torch.Tensor:
-    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y) with exponents clamped at `exp_floor`, 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's); `softmax`: each token's (max logit, Σ exp(z − max) over the clamped exponents), [B, L] each, if known (the top-k Gram's pass: no max or sum sweep, the same numbers)."
+    "d/dz of (1/N) Σ_i w_i Σ_t CE(z_it, y_it) over the labelled tokens of logits [B, L, V]: (w_i/N)(softmax(z_it) − e_y) with exponents clamped at `exp_floor`, 0 where y = `ignore_index`; N: the batch's labelled tokens (at least 1) unless `denominator`; `rows`: only those rows' [len(rows), L, V] (N still the batch's); `softmax`: each token's (max logit, Σ exp(z − max) over the clamped exponents), [B, L] each, if known (the top-k Gram's pass: no max sweep of its own, the same numbers)."
     B, L, V = logits.shape
     check_token_labels(logits, labels, ignore_index)
     y = labels.to(logits.device).long()
@@ -72,8 +72,7 @@ def sequence_grad_logits(logits: torch.Tensor, labels: torch.Tensor, row_weights
     for i in range(0, flat.shape[0], step):                             # a chunk of rows stays in cache through its passes
         x = flat[i:i + step]
         peak = x.amax(1, keepdim=True) if softmax is None else known[0][i:i + step]
-        x.sub_(peak).clamp_(min=floor).exp_()                           # exp(z − max z), exponents ≥ the floor: never subnormal
-        x.mul_(scale[i:i + step] / (x.sum(1, keepdim=True) if softmax is None else known[1][i:i + step]))   # (w_i/N) softmax(z)
+        floor_softmax(x, peak, floor, x).mul_(scale[i:i + step])       # (w_i/N) softmax(z), exponents ≥ the floor: never subnormal
     flat.scatter_add_(1, torch.where(mask, y, 0).reshape(-1, 1), -scale)  # − (w_i/N) e_y
     return res
 
