@@ -76,8 +76,9 @@ def probe_leaf() -> torch.Tensor:
 
 def whole_backward(acc) -> bool:
     "Whether the running backward is a plain `.backward()`, which runs every node and accumulates into every leaf: `acc`, a `probe_leaf`'s `AccumulateGrad`, runs in no other (`torch.autograd.grad`, `backward(inputs=...)`)."
+    if acc is None: return False                                        # no probe in the graph: assume the worst
     try: return bool(torch._C._will_engine_execute_node(acc))
-    except RuntimeError: return False                                   # no such query here (e.g. compiled autograd): say no
+    except (RuntimeError, TypeError): return False                      # no such query here (e.g. compiled autograd): say no
 
 def may_hand_over(node: SkipNode | None, logits: torch.Tensor, acc) -> bool:
     "Whether a loss's backward may give `node` the kept rows' gradient alone (`hand_over`): the logits are its output, nothing watches them (hook, `retain_grad()`), it holds no hand-over yet, and the backward is a plain `.backward()` (`whole_backward`; `torch.autograd.grad` would return the stand-in as the logits' gradient)."

@@ -1,0 +1,117 @@
+"""Causal LMs the tests do not build, through `CAPSkip` in every skipping mode, against plain float64 autograd (a
+maintainers' probe).
+
+Usage: python tools/heldout_lms.py [NAME ...]   (default: every name in ARCHS)
+
+Each model is a two-block Hugging Face model built from its config (hidden 32, vocab 64; no weights are downloaded). One
+batch of 6 right-padded rows of 8 tokens (Hugging Face labels, -100 on padding; `--pad left` pads on the left, `--prompt
+N` also masks the first N labels as an SFT prompt) goes through `CAPSkip(model, budget=0.5, mode=M)`:
+`skip.loss(skip(**batch)).backward()`. Printed per model and mode: the rows kept and the zero-gradient-safe errors
+(`capskip.testing.grad_errors`: worst parameter, global) against `capskip.testing.oracles.sequence_grads`, plain autograd
+of the kept rows' loss on a float64 copy; or, for a model capskip refuses, the first line of its refusal. The float64
+reference needs every op in float64: a mixture-of-experts model's grouped matrix product has none, so its masked row
+says so.
+"""
+import argparse, sys, warnings
+
+import torch
+
+ARCHS = ('gemma', 'gemma2', 'gemma3', 'mistral', 'phi', 'phi3', 'qwen3', 'olmo2', 'gptneox', 'falcon', 'stablelm',
+         'bloom', 'opt', 'cohere', 'mixtral', 'qwen2moe')
+B, L, VOCAB = 6, 8, 64
+LENGTHS = torch.tensor([8, 6, 8, 3, 8, 5])
+
+
+def build(name: str):
+    "A two-block model of `name` from its config, the same weights on every call."
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    plain = {k: v for k, v in common.items() if k != 'num_key_value_heads'}
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bos_token_id=0, eos_token_id=0)
+    makers = {
+        'gemma': lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=8)),
+        'gemma2': lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=30.0,
+                                                              attn_logit_softcapping=50.0, sliding_window=4,
+                                                              attn_implementation='eager')),
+        'gemma3': lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=4)),
+        'mistral': lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=4)),
+        'phi': lambda: tf.PhiForCausalLM(tf.PhiConfig(**plain, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+        'phi3': lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**common, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+        'qwen3': lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8)),
+        'olmo2': lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)),
+        'gptneox': lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**plain)),
+        'falcon': lambda: tf.FalconForCausalLM(tf.FalconConfig(**small, hidden_dropout=0.0, attention_dropout=0.0)),
+        'stablelm': lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**common)),
+        'bloom': lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                                            bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+        'opt': lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                      num_attention_heads=4, max_position_embeddings=16,
+                                                      word_embed_proj_dim=32, dropout=0.0, bos_token_id=0,
+                                                      eos_token_id=0, pad_token_id=1)),
+        'cohere': lambda: tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.0625)),
+        'mixtral': lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
+        'qwen2moe': lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                                     moe_intermediate_size=16,
+                                                                     shared_expert_intermediate_size=32)),
+    }
+    return makers[name]()
+
+
+def batch(pad: str, prompt: int) -> dict:
+    "Padded ids, their attention mask and Hugging Face's labels (= input_ids, -100 on padding and on the prompt)."
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (B, L), generator=g)
+    mask = (torch.arange(L)[None] < LENGTHS[:, None]).long()
+    if pad == 'left': mask = mask.flip(1)
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, :prompt] = -100
+    return {'input_ids': ids, 'attention_mask': mask, 'labels': labels}
+
+
+def probe(name: str, mode: str, pad: str, prompt: int) -> str:
+    from capskip import CAPSkip
+    from capskip.engine.check import model_grads
+    from capskip.testing import grad_errors
+    from capskip.testing.oracles import sequence_grads
+    data = batch(pad, prompt)
+    try:
+        model = build(name)
+        skip = CAPSkip(model, budget=0.5, mode=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            skip.loss(skip(**data)).backward()
+        got, applied = model_grads(model), skip.last.applied
+        skip.close()
+    except Exception as err:
+        return f'refused: {type(err).__name__}: {str(err).splitlines()[0][:150]}'
+    inputs = {k: data[k] for k in ('input_ids', 'attention_mask')}
+    aligned = torch.cat([data['labels'][:, 1:], torch.full_like(data['labels'][:, :1], -100)], 1)
+    try: ref = sequence_grads(build(name), inputs, aligned, applied)
+    except Exception as err:
+        return f'kept {int((applied > 0).sum())}; no float64 reference: {type(err).__name__}: {str(err).splitlines()[0][:90]}'
+    top, rel = grad_errors(got, ref)
+    return f'kept {int((applied > 0).sum())}, worst {top:.1e}, global {rel:.1e}'
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('names', nargs='*'); ap.add_argument('--pad', choices=('right', 'left'), default='right')
+    ap.add_argument('--prompt', type=int, default=0)
+    ns = ap.parse_args()
+    unknown = [n for n in ns.names if n not in ARCHS]
+    if unknown: ap.error(f'unknown model {unknown[0]!r}: one of {", ".join(ARCHS)}')
+    if not 0 <= ns.prompt < L: ap.error(f'--prompt must be in [0, {L}), got {ns.prompt}')
+    import transformers
+    transformers.logging.set_verbosity_error()
+    print(f'torch {torch.__version__}, transformers {transformers.__version__}; B={B}, L={L}, V={VOCAB}, budget 0.5, '
+          f'{ns.pad}-padded, prompt {ns.prompt}; errors against float64 autograd of the kept rows', flush=True)
+    for name in ns.names or ARCHS:
+        for mode in ('reuse', 'reforward', 'masked'):
+            print(f'{name:9s} {mode:9s} {probe(name, mode, ns.pad, ns.prompt)}', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
