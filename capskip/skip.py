@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
-from .engine.head import built_by, passes_through
+from .engine.head import PASS_THROUGH, built_by, passes_through
 from .engine.inputs import split_labels
 from .engine.types import Forward
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
@@ -27,8 +27,9 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
                            run_step, sequence_loss, shifted_labels, step_loss)
 
 # %% auto #0
-__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'SkipOptions', 'skip_options', 'capskip_decision', 'CAPSkip',
-           'check_capskip_options', 'check_loss_options']
+__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FORWARD_TAG', 'SkipOptions', 'skip_options',
+           'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features', 'CAPSkip', 'check_capskip_options',
+           'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -98,6 +99,59 @@ def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: T
         return Decision(kept_w, drop, last_layer=w, lastfix=w * drop.float())
     raise ValueError(f'reweight must be None or one of {REWEIGHTS}, got {reweight!r}')
 
+# %% ../nbs/01n_skip.ipynb #a11f0e02
+NOT_SKIP_LOGITS_ERROR = ("skip.loss needs the logits that skip(x) returned in this step, a cast of them (logits.float()) or a "
+                         "slice of their rows or positions (logits[:, :-1]), not a tensor computed from them (for a temperature: "
+                         "CAPSkip(model, temperature=T)) nor model(x)'s: call logits = skip(x)")
+FORWARD_TAG = 'capskip_forward'    # the key of a forward's `Mark` in its logits' autograd node's `metadata`
+
+class Mark:
+    "A forward's mark, kept in its logits' autograd node (`metadata`): it lives as long as that node, so a cast of logits whose own Python object is gone (`skip(x).float()` of bf16 logits) still finds its forward."
+
+def marked_through(t: Tensor, mark: Mark) -> bool:
+    "Whether `t` comes from the node that holds `mark` through `PASS_THROUGH` ops alone (a cast, a same-shape view)."
+    node = t.grad_fn
+    while node is not None:
+        if node.metadata.get(FORWARD_TAG) is mark: return True
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        if node.name() not in PASS_THROUGH or len(nxt) != 1: return False
+        node = nxt[0]
+    return False
+
+@dataclass
+class Made:
+    "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels."
+    logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size
+
+    @classmethod
+    def of(cls, logits: Tensor, features: Tensor, labels) -> Made:
+        mark = None
+        if logits.grad_fn is not None:
+            mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
+        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape)
+
+    def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
+
+    def whole(self, t: Tensor) -> bool:
+        "Whether `t` is these logits: themselves or through pass-through ops (`passes_through`), found by the mark once they are gone."
+        out = self.logits()
+        if out is not None: return passes_through(t, out)
+        mark = None if self.mark is None else self.mark()
+        return mark is not None and t.shape == self.shape and marked_through(t, mark)
+
+def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bool]) -> Tensor | None:
+    "The head's input `feats` [..., d] viewed as `logits` views the forward's logits [..., C] (or a cast of them: `whole(t)` says) on its leading dims, the last dim whole (e.g. `out[:, :-1]`, `out[:4]`); None for any other tensor."
+    base = logits._base
+    if base is None or not base.is_contiguous() or base.shape[:-1] != feats.shape[:-1] or not whole(base): return None
+    C = base.shape[-1]
+    if logits.ndim != base.ndim or logits.shape[-1] != C or logits.stride(-1) != 1: return None
+    off = logits.storage_offset() - base.storage_offset()               # token t of base.view(-1, C) starts at t·C
+    if off % C or any(s % C for s in logits.stride()[:-1]): return None
+    f = feats.contiguous()
+    d = f.shape[-1]
+    return f.as_strided((*logits.shape[:-1], d), (*(s // C * d for s in logits.stride()[:-1]), 1),
+                        f.storage_offset() + off // C * d)
+
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`; `skip.options` is its `SkipOptions`."
@@ -136,7 +190,7 @@ class CAPSkip:
     def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
         fwd = self.engine.forward(*args, **kwargs)
-        self._recent = [r for r in self._recent[-7:] if r[0]() is not None] + [(weakref.ref(fwd.logits), fwd.features, labels)]
+        self._recent = [r for r in self._recent[-7:] if r.alive()] + [Made.of(fwd.logits, fwd.features, labels)]
         return fwd
 
     def __call__(self, *args, **kwargs) -> Tensor:
@@ -144,11 +198,12 @@ class CAPSkip:
         return self._forward(*args, **kwargs).logits
 
     def _forward_of(self, logits: Tensor) -> tuple:
-        for ref, feats, labels in reversed(self._recent):
-            out = ref()
-            if out is not None and passes_through(logits, out): return feats, labels
-        raise ValueError('skip.loss needs the logits that skip(x) returned (or a cast of them, e.g. logits.float()): '
-                         'call logits = skip(x) in this step, not model(x)')
+        "(features, the batch's labels, whether `logits` are the forward's whole logits) of the forward that made `logits`."
+        for made in reversed(self._recent):
+            if made.whole(logits): return made.features, made.labels, True
+            sliced = aligned_features(logits, made.features, made.whole)   # a slice of its rows or positions, e.g. logits[:, :-1]
+            if sliced is not None: return sliced, None, False
+        raise ValueError(NOT_SKIP_LOGITS_ERROR)
 
     def features_of(self, logits: Tensor) -> Tensor:
         "The head's input from the forward that made `logits` (one of the last 8 forwards; a cast or view of them too)."
@@ -176,9 +231,12 @@ class CAPSkip:
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
         "The head's input of `logits`' forward, and the labels: `y`, or the batch's (a causal LM's shifted as its own loss shifts them; `shift_labels` overrides)."
-        feats, labels = self._forward_of(logits)
+        feats, labels, whole = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels
+        if y is None and not whole:
+            raise ValueError('skip.loss of a slice of the logits needs the labels of that slice: pass them, e.g. '
+                             "skip.loss(logits[:, :-1], batch['labels'][:, 1:])")
         if y is None:
             raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
                              f'labels in the batch under {self.label_key!r} (label_key=)')

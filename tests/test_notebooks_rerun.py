@@ -28,6 +28,11 @@ two kernels finish together. Each kernel is forked from a process that imported 
 4 s of CPU saved per notebook; `CAPSKIP_FRESH_KERNELS=1` starts a fresh interpreter per notebook instead). They start as soon as pytest has collected the tests (`conftest.py`) and run beside the
 other tests, sharing the two cores with them: this file alone took 5 min 35 s (`pytest -q tests/test_notebooks_rerun.py`
 on an idle 2-core AMD EPYC VM, 2026-12-03); the whole suite's figures, with their machine, are in DEVELOPING.md.
+
+Two environment settings check that the committed outputs travel (maintainers' runs, not the README's command):
+`CAPSKIP_KERNEL_THREADS=2` runs the kernels with two threads each, as a reader's Run All on a 2-core machine;
+`ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2` runs torch's and MKL's kernels without AVX, as on another
+kind of CPU (there inductor's C++ code for `torch.compile` does not build, so 01d's compiled cell fails: a torch matter).
 """
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -73,8 +78,9 @@ def all_notebooks() -> list[str]:
 
 
 def kernel_env() -> dict:
-    "The kernels' environment: this process's as it is now, one thread each, this interpreter's folder first on PATH."
-    return {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
+    "The kernels' environment: this process's as it is now, one thread each (`CAPSKIP_KERNEL_THREADS=N`: N, as a reader's Run All), this interpreter's folder first on PATH."
+    threads = os.environ.get('CAPSKIP_KERNEL_THREADS', '1')
+    return {**os.environ, 'OMP_NUM_THREADS': threads, 'MKL_NUM_THREADS': threads,
             'PATH': f'{Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}'}   # the kernel spec runs `python`
 
 

@@ -1,0 +1,119 @@
+"""`skip.loss` of a slice of the logits (`capskip.skip.aligned_features`, `nbs/01n_skip.ipynb`): the loop that shifts the
+logits itself (`logits[:, :-1]` with `labels[:, 1:]`), a slice of a cast (bf16 logits' `.float()`), and a classifier's
+row slice leave plain autograd's gradient of the kept rows' loss over the slice's tokens, in every skipping mode; a
+tensor computed from the logits is refused in one line (before, a slice was refused with a line telling the user to
+call skip(x), which they had)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from capskip.engine.check import grad_errors, model_grads
+from capskip.skip import CAPSkip
+from capskip.testing import digits_tensors, trained_digits_mlp
+
+transformers.logging.set_verbosity_error()
+B, L, V = 6, 8, 64
+MODES = ['reuse', 'reforward', 'masked']
+
+
+def lm(dtype=torch.float64):
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).to(dtype)
+
+
+def lm_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, L), generator=g)
+    mask = (torch.arange(L)[None] < torch.tensor([8, 6, 8, 3, 8, 5])[:, None]).long()
+    return ids, mask, torch.where(mask.bool(), ids, -100)
+
+
+def shifted_reference(dtype, keep):
+    "Plain autograd, float64, of the kept sequences' token CE over positions 0 … L−2 (label: the next input)."
+    ids, mask, labels = lm_batch()
+    model = lm(dtype).double()
+    z = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    y = labels[:, 1:]
+    tok = F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction='none').view(y.shape)
+    ((tok.sum(1) * keep.double()).sum() / (y != -100).sum()).backward()
+    return model_grads(model)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_user_shifted_logits_give_the_kept_sequences_gradient(mode):
+    ids, mask, labels = lm_batch()
+    model = lm()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    z = skip(input_ids=ids, attention_mask=mask)
+    skip.loss(z[:, :-1], labels[:, 1:]).backward()
+    keep = skip.last.applied > 0
+    assert 0 < int(keep.sum()) < B
+    top, rel = grad_errors(model_grads(model), shifted_reference(torch.float64, keep))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    top, _ = grad_errors(model_grads(model), shifted_reference(torch.float64, torch.ones(B, dtype=torch.bool)))
+    assert top > 1e-3                                    # the control: every sequence's gradient differs
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_slice_of_cast_logits(mode):
+    ids, mask, labels = lm_batch()
+    model = lm(torch.float32)
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    z = skip(input_ids=ids, attention_mask=mask).double()   # the float32 logits object is gone at once
+    skip.loss(z[:, :-1], labels[:, 1:]).backward()
+    top, rel = grad_errors(model_grads(model), shifted_reference(torch.float32, skip.last.applied > 0))
+    assert top < 1e-5 and rel < 1e-5, (top, rel)       # float32 model against its float64 copy
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_classifiers_row_slice(mode):
+    X, Y, _, _ = digits_tensors()
+    x, y = X[:64].double(), Y[:64]
+    model = trained_digits_mlp().double()
+    skip = CAPSkip(model, budget=0.3, mode=mode)
+    z = skip(x)
+    skip.loss(z[:40], y[:40]).backward()
+    applied = skip.last.applied
+    assert applied.shape == (40,) and 0 < int((applied > 0).sum()) < 40
+    got = model_grads(model)
+    ref_model = trained_digits_mlp().double()
+    (F.cross_entropy(ref_model(x[:40]), y[:40], reduction='none') * applied.double()).sum().div(40).backward()
+    top, rel = grad_errors(got, model_grads(ref_model))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    skip.close()
+
+
+def test_computed_logits_and_unlabelled_slices_are_refused_in_one_line():
+    ids, mask, labels = lm_batch()
+    skip = CAPSkip(lm(), budget=0.5)
+    z = skip(input_ids=ids, attention_mask=mask, labels=labels)
+    for bad in (z / 2, z.softmax(-1), z[..., :32]):
+        with pytest.raises(ValueError, match=r"not a tensor computed from them \(for a temperature: CAPSkip\(model, temperature=T\)\)"):
+            skip.loss(bad, labels)
+    with pytest.raises(ValueError, match='needs the labels of that slice'): skip.loss(z[:, :-1])
+    skip.loss(z).backward()                              # the control: the whole logits with the batch's labels
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_cast_of_logits_whose_object_is_gone(mode):
+    "`skip.loss(skip(**batch).float())` on a bf16 model: the bf16 logits' Python object dies at once, the forward's mark in its autograd node still finds the features (before: refused with a line telling the user to call skip(x))."
+    ids, mask, labels = lm_batch()
+    batch = {'input_ids': ids, 'attention_mask': mask, 'labels': labels}
+    grads = []
+    for keep_alive in (True, False):
+        model = lm(torch.bfloat16)
+        skip = CAPSkip(model, budget=0.5, mode=mode)
+        if keep_alive:
+            z = skip(**batch); skip.loss(z.float()).backward()
+        else: skip.loss(skip(**batch).float()).backward()
+        assert 0 < int(skip.last.kept) < B
+        grads.append(model_grads(model)); skip.close()
+    top, rel = grad_errors(grads[1], grads[0])
+    assert top == 0 and rel == 0, (top, rel)
