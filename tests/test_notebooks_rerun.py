@@ -29,10 +29,9 @@ two kernels finish together. Each kernel is forked from a process that imported 
 other tests, sharing the two cores with them: this file alone took 5 min 35 s (`pytest -q tests/test_notebooks_rerun.py`
 on an idle 2-core AMD EPYC VM, 2026-12-03); the whole suite's figures, with their machine, are in DEVELOPING.md.
 
-Two environment settings check that the committed outputs travel (maintainers' runs, not the README's command):
-`CAPSKIP_KERNEL_THREADS=2` runs the kernels with two threads each, as a reader's Run All on a 2-core machine;
-`ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2` runs torch's and MKL's kernels without AVX, as on another
-kind of CPU (there inductor's C++ code for `torch.compile` does not build, so 01d's compiled cell fails: a torch matter).
+`CAPSKIP_KERNEL_THREADS=2` runs the kernels with two threads each, as a reader's Run All on a 2-core machine (a
+maintainers' check that the committed outputs do not move with the thread count, not the README's command; DEVELOPING.md
+has the one for another CPU kind).
 """
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
