@@ -3,6 +3,8 @@ logits itself (`logits[:, :-1]` with `labels[:, 1:]`), a slice of a cast (bf16 l
 row slice leave plain autograd's gradient of the kept rows' loss over the slice's tokens, in every skipping mode; a
 tensor computed from the logits is refused in one line (before, a slice was refused with a line telling the user to
 call skip(x), which they had)."""
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,7 +105,7 @@ def test_computed_logits_and_unlabelled_slices_are_refused_in_one_line():
 
 @pytest.mark.parametrize('mode', MODES)
 def test_a_cast_of_logits_whose_object_is_gone(mode):
-    "`skip.loss(skip(**batch).float())` on a bf16 model: the bf16 logits' Python object dies at once, the forward's mark in its autograd node still finds the features (before: refused with a line telling the user to call skip(x))."
+    "`skip.loss(skip(**batch).float())` on a bf16 model: the bf16 logits' Python object dies at once, the forward's mark in its autograd node still finds the features (before: refused with a line telling the user to call skip(x), or not, as Python's cycle collector had run)."
     ids, mask, labels = lm_batch()
     batch = {'input_ids': ids, 'attention_mask': mask, 'labels': labels}
     grads = []
@@ -112,7 +114,10 @@ def test_a_cast_of_logits_whose_object_is_gone(mode):
         skip = CAPSkip(model, budget=0.5, mode=mode)
         if keep_alive:
             z = skip(**batch); skip.loss(z.float()).backward()
-        else: skip.loss(skip(**batch).float()).backward()
+        else:
+            z = skip(**batch).float()
+            gc.collect()                                 # the bf16 logits' object is gone (else a reference cycle may delay it)
+            skip.loss(z).backward()
         assert 0 < int(skip.last.kept) < B
         grads.append(model_grads(model)); skip.close()
     top, rel = grad_errors(grads[1], grads[0])
