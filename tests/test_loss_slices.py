@@ -69,7 +69,8 @@ def test_a_slice_of_cast_logits(mode):
     z = skip(input_ids=ids, attention_mask=mask).double()   # the float32 logits object is gone at once
     skip.loss(z[:, :-1], labels[:, 1:]).backward()
     top, rel = grad_errors(model_grads(model), shifted_reference(torch.float32, skip.last.applied > 0))
-    assert top < 1e-5 and rel < 1e-5, (top, rel)       # float32 model against its float64 copy
+    assert top < 1e-5 and rel < 1e-5, (top, rel)       # float32 model against its float64 copy: measured 3.9e-7 / 2.1e-7
+                                                     # (AMD EPYC, 2026-12-06), the bound 25x that for other CPUs' round-off
     skip.close()
 
 
