@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
-from .engine.head import PASS_THROUGH, built_by, passes_through
+from .engine.head import built_by, pass_chain, passes_through
 from .engine.inputs import split_labels
 from .engine.types import Forward
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
@@ -110,13 +110,7 @@ class Mark:
 
 def marked_through(t: Tensor, mark: Mark) -> bool:
     "Whether `t` comes from the node that holds `mark` through `PASS_THROUGH` ops alone (a cast, a same-shape view)."
-    node = t.grad_fn
-    while node is not None:
-        if node.metadata.get(FORWARD_TAG) is mark: return True
-        nxt = [f for f, _ in node.next_functions if f is not None]
-        if node.name() not in PASS_THROUGH or len(nxt) != 1: return False
-        node = nxt[0]
-    return False
+    return any(node.metadata.get(FORWARD_TAG) is mark for node in pass_chain(t.grad_fn))
 
 @dataclass
 class Made:

@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'passes_through',
-           'gathered_through', 'carry', 'split_carried', 'ops_between', 'head_call', 'locate_head', 'HeadCapture']
+__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'pass_chain',
+           'passes_through', 'gathered_through', 'carry', 'split_carried', 'ops_between', 'head_call', 'locate_head',
+           'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
 _BUILDER = contextvars.ContextVar('capskip_builder', default='Engine')
@@ -55,6 +56,15 @@ class HeadError(ValueError):
 class NotLogitsError(HeadError):
     "The model returned something other than a tensor (an output object, a tuple): the engine then reads the logits from it (`capskip.engine.inputs.logits_of`)."
 
+def pass_chain(node, ops: set | None = None):
+    "The autograd nodes from `node` back along single-input `ops` (default `PASS_THROUGH`): `node` itself, then each node's one input while the node is one of `ops` (the walk every test below shares)."
+    ops = PASS_THROUGH if ops is None else ops
+    while node is not None:
+        yield node
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        if node.name() not in ops or len(nxt) != 1: return
+        node = nxt[0]
+
 def passes_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
     "Whether `out` is `head_out` unchanged: the same tensor, or reached only through `PASS_THROUGH` ops (autograd graph)."
     if out is head_out: return True
@@ -62,12 +72,7 @@ def passes_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
     node, target = out.grad_fn, head_out.grad_fn
     if node is None or target is None:                 # no graph: accept only a view of the same memory
         return out.data_ptr() == head_out.data_ptr() and out.stride() == head_out.stride() and out.dtype == head_out.dtype
-    while node is not target:
-        if node is None or node.name() not in PASS_THROUGH: return False
-        nxt = [f for f, _ in node.next_functions if f is not None]
-        if len(nxt) != 1: return False
-        node = nxt[0]
-    return True
+    return any(n is target for n in pass_chain(node))
 
 GATHER_OPS = {'IndexBackward0', 'SelectBackward0', 'IndexSelectBackward0', 'SliceBackward0'}
 
@@ -76,14 +81,10 @@ def gathered_through(out: torch.Tensor, head_out: torch.Tensor) -> bool:
     if out.ndim != 2 or head_out.ndim < 2 or out.shape[-1] != head_out.shape[-1]: return False
     node, target, gathers = out.grad_fn, head_out.grad_fn, 0
     if node is None or target is None: return False
-    while node is not target:
-        if node is None: return False
-        if node.name() in GATHER_OPS: gathers += 1
-        elif node.name() not in PASS_THROUGH: return False
-        nxt = [f for f, _ in node.next_functions if f is not None]
-        if len(nxt) != 1: return False
-        node = nxt[0]
-    return gathers > 0
+    for n in pass_chain(node, PASS_THROUGH | GATHER_OPS):
+        if n is target: return gathers > 0
+        gathers += n.name() in GATHER_OPS
+    return False
 
 def carry(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     "The head's output with its (detached) input appended on the last dim, in one dtype: what gathers the output's leading dims gathers the input too."
