@@ -19,7 +19,7 @@ from ..core import ce_residuals
 from ..sequence import IGNORE_INDEX, PASS_ELEMENTS, exp_floor, floor_softmax
 from .executors import Dense, Masked, Reforward
 from .head import HeadCapture, NotLogitsError, resolve_head
-from .inputs import ModelCall, pack_inputs
+from .inputs import ModelCall, grad_inputs, pack_inputs
 from .node import data_parallel_wrapper, kept_indices, routed, unsynced_forward
 from .probe import RowProbe
 from .reuse import Reuse
@@ -269,9 +269,9 @@ class Engine:
         return x
 
     def _route(self, args: tuple, kwargs: dict) -> tuple:
-        "(executor, head capture, input tensor) for this call: the model's own, or those of a `ModelCall` for its structure."
+        "(executor, head capture, input tensor, its `InputSpec` or None) for this call: the model's own, or those of a `ModelCall` for its structure."
         x = self._plain(args, kwargs)
-        if x is not None: return self.executor, self.capture, x
+        if x is not None: return self.executor, self.capture, x, None
         x, spec = pack_inputs(args, kwargs)
         if x.shape[0] == 0: raise ValueError('the batch is empty: pass at least one row')
         if spec.key not in self.calls:
@@ -283,14 +283,20 @@ class Engine:
             capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
             self.calls[spec.key] = (call, capture, self._executor(call, capture))
         call, capture, executor = self.calls[spec.key]
+        if spec.live is not None and executor.skips:     # dense and masked run on the call's own tensors (`unpack_inputs`)
+            raise ValueError(f'mode={executor.mode!r} computes no gradient for the input {", ".join(grad_inputs(args, kwargs))} '
+                             '(it requires grad): use mode="masked", or pass it detached (.detach()); a trained input such as a '
+                             'soft prompt can be a parameter of the model instead')
         call.spec = spec
         capture.verify(x)
-        return executor, capture, x
+        return executor, capture, x, spec
 
     def _forward(self, args: tuple, kwargs: dict) -> Forward:
-        executor, capture, x = self._route(args, kwargs)
+        executor, capture, x, spec = self._route(args, kwargs)
         self.last_capture = capture
-        return executor.forward(x)
+        try: return executor.forward(x)
+        finally:
+            if spec is not None: spec.live = None        # this call's own tensors: not held past its forward
 
     def forward(self, *args, **kwargs) -> Forward:
         "One forward of all rows (`engine.forward(x)`, or the model's own arguments, keywords included): `.logits` and `.features` from the same pass."

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .head import HeadError
 
 # %% auto #0
-__all__ = ['ALIGN', 'RowLeaf', 'InputSpec', 'batch_size', 'pack_inputs', 'unpack_inputs', 'logits_of', 'ModelCall',
+__all__ = ['ALIGN', 'RowLeaf', 'InputSpec', 'batch_size', 'pack_inputs', 'grad_inputs', 'unpack_inputs', 'logits_of', 'ModelCall',
            'split_labels']
 
 # %% ../../nbs/01l_inputs.ipynb #b52e0e7d
@@ -36,6 +36,7 @@ class InputSpec:
     treedef: Any
     leaves: list
     packed: bool
+    live: tuple | None = None    # (the packed tensor, this call's own leaves) while an input requires grad (`unpack_inputs`)
 
     @property
     def rows(self) -> list[RowLeaf]:
@@ -49,6 +50,7 @@ class InputSpec:
 
 def _const_key(value) -> Any:
     if isinstance(value, torch.Tensor):
+        if value.requires_grad: return ('trained', value.dtype, tuple(value.shape), str(value.device))   # its values change as it trains
         if value.numel() > 4096:
             raise ValueError(f'an input tensor of shape {tuple(value.shape)} has no batch dimension first and is too large to '
                              'treat as a constant of the call: give every per-row input the batch size as its first dimension')
@@ -87,11 +89,20 @@ def pack_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, InputSpec]:
         spec_leaves[i] = RowLeaf(t.dtype, tuple(t.shape[1:]), start, n)
         if len(rows) > 1:
             parts.append(_row_bytes(t)); start += parts[-1].shape[1]
-    if len(rows) == 1: return leaves[rows[0]].detach(), InputSpec(treedef, spec_leaves, packed=False)
-    return torch.cat(parts, 1), InputSpec(treedef, spec_leaves, packed=True)
+    x = leaves[rows[0]].detach() if len(rows) == 1 else torch.cat(parts, 1)
+    spec = InputSpec(treedef, spec_leaves, packed=len(rows) > 1)
+    if torch.is_grad_enabled() and any(isinstance(l, torch.Tensor) and l.requires_grad for l in leaves): spec.live = (x, leaves)
+    return x, spec
+
+def grad_inputs(args: tuple, kwargs: dict) -> list[str]:
+    "The names of a call's inputs that hold a tensor requiring grad (`argument i`, or the keyword), while autograd records."
+    if not torch.is_grad_enabled(): return []
+    trained = lambda v: any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0])
+    return [f'argument {i}' for i, a in enumerate(args) if trained(a)] + [k for k, v in kwargs.items() if trained(v)]
 
 def unpack_inputs(x: torch.Tensor, spec: InputSpec) -> tuple[tuple, dict]:
-    "The call's (args, kwargs) from its row inputs `x` (as `pack_inputs` made them, or rows of them)."
+    "The call's (args, kwargs) from its row inputs `x` (as `pack_inputs` made them, or rows of them); the whole call itself (`x` is `pack_inputs`'s own tensor) runs on its own leaves while one requires grad (`spec.live`)."
+    if spec.live is not None and x is spec.live[0]: return tree_unflatten(list(spec.live[1]), spec.treedef)
     leaves = []
     for leaf in spec.leaves:
         if not isinstance(leaf, RowLeaf): leaves.append(leaf); continue
