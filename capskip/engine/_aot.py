@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,7 @@ log = logging.getLogger('capskip.engine')
 TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch versions this module is written against
 
 # %% auto #0
-__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'merged_rows', 'take_rows',
+__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows', 'take_rows',
            'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'eval_sym', 'trace', 'run_forward',
            'probe_traced']
 
@@ -78,6 +80,7 @@ class Traced:
     bw_full: fx.GraphModule | None = None  # the unsliced backward (boxed): all rows kept, or slicing impossible
     bw_full_inputs: list | None = None
     fallback_reason: str | None = None # set when slicing is impossible: backward runs at full B with masked tangents
+    stores: int = 0                    # tensors the user's code (a hook, a module attribute) stored outside the output
 
 # %% ../../nbs/01e_aot.ipynb #3213580e
 def _capture(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> tuple:
@@ -126,6 +129,15 @@ def _bw_placeholders(bw: fx.GraphModule) -> list[fx.Node]:
 
 def _outputs(gm: fx.GraphModule) -> list:
     return list(next(n for n in gm.graph.nodes if n.op == 'output').args[0])
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(inspect.getfile(HeadCapture))))   # capskip's own folder
+
+def user_stores(dyn: fx.GraphModule) -> list:
+    "The outputs of dynamo's graph past the logits that the user's code stored (a hook's list, a module attribute): each one whose innermost frame (`stack_trace`) lies outside capskip; capskip's own capture of the features is not one."
+    def innermost(node) -> str:
+        files = [l.strip() for l in (node.meta.get('stack_trace') or '').splitlines() if l.strip().startswith('File "')]
+        return files[-1].split('"')[1] if files else ''
+    return [o for o in _outputs(dyn)[1:] if isinstance(o, fx.Node) and not os.path.abspath(innermost(o)).startswith(_PACKAGE + os.sep)]
 
 # %% ../../nbs/01e_aot.ipynb #a63a2daa
 def _sources(model: nn.Module, inputs: list, xc: torch.Tensor) -> list:
@@ -308,7 +320,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards,
-                  bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason)
+                  bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason, len(user_stores(dyn)))
 
 # %% ../../nbs/01e_aot.ipynb #26995aa4
 def _inputs(traced: Traced, model: nn.Module, x: torch.Tensor) -> list:

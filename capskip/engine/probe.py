@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -15,8 +17,8 @@ from .types import RowDependenceError, row_dependence_error
 
 # %% auto #0
 __all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
-           'finite_rows', 'mixing_cause', 'probe_modules', 'module_states', 'RowProbe', 'param_caches',
-           'cleared_caches', 'stored_tensors', 'unreached_error']
+           'finite_rows', 'mixing_cause', 'probe_modules', 'kept_outputs', 'graph_attributes', 'kept_output_error',
+           'module_states', 'RowProbe', 'param_caches', 'cleared_caches', 'stored_tensors', 'unreached_error']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -292,13 +294,58 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
                                        f'out {drift:.2g} (relative) away from the same rows in the whole batch of {batch}: the '
                                        f'output depends on the batch size or on a row\'s position, {INTEGER_PATHS}', 'batch_size')
 
+# %% ../../nbs/01c_probe.ipynb #b7e2c002
+def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:
+    "Names of the modules whose outputs (requiring grad) outlive a forward of `model` on two rows of `x`: something outside the model holds them (a hook's list, a module attribute)."
+    names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+    refs: list = []
+    def keep(module, inputs, output):
+        refs.extend((module, weakref.ref(t)) for t in _tensors(output) if t.requires_grad)
+    xin = (x[:2] if x.shape[0] >= 2 else x).detach()
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    held = _attribute_tensors(model)                     # what modules held before: a loss a training step stored is not this forward's
+    handles = [m.register_forward_hook(keep) for m in model.modules()]
+    devices = [x.device] if x.device.type == 'cuda' else []
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices): model(xin)   # the output is dropped at once
+    finally:
+        for h in handles: h.remove()
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers: b.copy_(buffers[n])
+    gc.collect()                                         # a reference cycle alone keeps nothing alive
+    found = [f'the output of module {_where(m, names)}' for m, r in refs if r() is not None]
+    return list(dict.fromkeys(found + [f'attribute {a}' for a in graph_attributes(model, held)]))
+
+def _attribute_tensors(model: nn.Module) -> dict[str, list]:
+    "`module.attribute` -> the tensors a module holds there outside its parameters and buffers (directly, or in a dict, list or tuple)."
+    out = {}
+    for name, m in model.named_modules():
+        for a, v in vars(m).items():
+            if a.startswith('_'): continue
+            items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+            if ts := [t for t in items if isinstance(t, torch.Tensor)]: out[f'{name or type(model).__name__}.{a}'] = ts
+    return out
+
+def graph_attributes(model: nn.Module, before: dict | None = None) -> list[str]:
+    "`module.attribute` of the tensors with a `grad_fn` (computed with autograd) a module holds outside its parameters and buffers, leaving out those it held already in `before` (`_attribute_tensors`)."
+    before = {k: {id(t) for t in ts} for k, ts in (before or {}).items()}
+    return [k for k, ts in _attribute_tensors(model).items()
+            if any(t.grad_fn is not None and id(t) not in before.get(k, ()) for t in ts)]
+
+def kept_output_error(kept: list[str]) -> ValueError:
+    "The skipping modes' refusal of a model whose module outputs outlive its forward (`kept_outputs`)."
+    return ValueError(f'capskip: {", ".join(kept[:3])} outlive(s) the forward with its graph (a forward hook or a module '
+                      "attribute keeps it); mode='reuse' and 'reforward' back-propagate the logits alone, so a loss on it "
+                      "would get no gradient: keep a .detach() copy where you only read it, or use mode='masked'")
+
 # %% ../../nbs/01c_probe.ipynb #3ee763b1
 def module_states(model: nn.Module) -> tuple:
-    "Every module's identity and train flag, flat: a submodule switched to train mode, or replaced, gives another tuple."
+    "Every module's identity, train flag and number of forward hooks, flat: a submodule switched to train mode, replaced, or hooked, gives another tuple."
     out, stack = [], [model]
     while stack:
         m = stack.pop()
-        out += (id(m), m.training)
+        out += (id(m), m.training, len(m._forward_hooks) + len(m._forward_pre_hooks))
         stack += [c for c in m._modules.values() if c is not None]
     return tuple(out)
 
@@ -308,10 +355,11 @@ class RowProbe:
         self.model, self.passed = model, set()
 
     def check(self, x: torch.Tensor) -> None:
-        "Raise `RowDependenceError` if rows of `x` are not independent in the model (probed on the first `x` of its batch size, signature and module state)."
+        "Raise `RowDependenceError` if rows of `x` are not independent in the model, or `kept_output_error` if module outputs outlive its forward (probed on the first `x` of its batch size, signature and module state)."
         sig = (x.shape[0], tuple(x.shape[1:]), x.dtype, x.device.type, module_states(self.model))
         if sig in self.passed: return
         probe_modules(self.model, x)
+        if kept := kept_outputs(self.model, x): raise kept_output_error(kept)
         self.passed.add(sig)
 
 # %% ../../nbs/01c_probe.ipynb #c3a1e002

@@ -26,7 +26,8 @@ from .stages import STAGES, run_stages, split_stages, stage_groups
 from .types import Forward, RowDependenceError
 
 # %% auto #0
-__all__ = ['ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'Reuse']
+__all__ = ['ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'user_hooks',
+           'Reuse']
 
 # %% ../../nbs/01f_reuse.ipynb #0f34d0dc
 @dataclass
@@ -126,6 +127,14 @@ def compile_traced(traced: Traced) -> Traced:
                                bw_full=_compiled_boxed(traced.bw_full))
 
 
+# %% ../../nbs/01f_reuse.ipynb #d4e1f001
+def user_hooks(model: nn.Module) -> list[str]:
+    "The modules of `model` (named) that carry forward hooks or forward pre-hooks other than capskip's own (a `HeadCapture`'s)."
+    names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+    ours = lambda h: isinstance(getattr(h, '__self__', None), HeadCapture)
+    return [f'{names[m]} ({type(m).__name__})' for m in model.modules()
+            if any(not ours(h) for hooks in (m._forward_hooks, m._forward_pre_hooks) for h in hooks.values())]
+
 # %% ../../nbs/01f_reuse.ipynb #ea844c5b
 class Reuse(Executor):
     "Traced forward of every row keeping its activations; the backward graph at batch size k on the kept rows (fallback: `fallback`)."
@@ -180,6 +189,13 @@ class Reuse(Executor):
             return reason
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in traced.grad_names]
         if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
+        if traced.stores:                                # tensors the user's code stored outside the output
+            hooked = user_hooks(self.model)
+            where = f'a forward hook on {", ".join(hooked[:3])}' if hooked else 'a module attribute'
+            msg = (f'capskip reuse: the forward of {type(self.model).__name__} stores {traced.stores} tensor(s) outside '
+                   f'its output ({where} keeps them, e.g. for logging); the traced forward of later steps stores nothing, so '
+                   'what keeps them holds this first step\'s values. Use mode="reforward" where the stores must happen every step')
+            log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
         entries.append(traced)
         return traced
 
