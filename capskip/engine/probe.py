@@ -313,7 +313,7 @@ def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:
         with torch.no_grad():
             for n, b in model.named_buffers():
                 if n in buffers: b.copy_(buffers[n])
-    gc.collect()                                         # a reference cycle alone keeps nothing alive
+    if any(r() is not None for _, r in refs): gc.collect()   # to be sure: a reference cycle alone keeps nothing alive
     found = [f'the output of module {_where(m, names)}' for m, r in refs if r() is not None]
     return list(dict.fromkeys(found + [f'attribute {a}' for a in graph_attributes(model, held)]))
 
