@@ -17,7 +17,7 @@ from capskip.skip import CAPSkip
 
 transformers.logging.set_verbosity_error()
 B, L, V = 6, 10, 64
-TOL = 1e-12     # float64 against float64 autograd: measured 2e-16 worst on an AMD EPYC (the same ops, other row sets)
+TOL = 1e-12     # float64 against float64 autograd: round-off is near 1e-16, a lost gradient is of order 1
 
 
 def llama():

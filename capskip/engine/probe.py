@@ -145,6 +145,16 @@ def _poison_first(output, batch: int, pending: list):
     out[0] = float('nan')
     return out
 
+@contextlib.contextmanager
+def _buffers_restored(model: nn.Module):
+    "Within the block, `model` may update its buffers (BatchNorm's running statistics); on exit they hold their values from before it again."
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try: yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers: b.copy_(buffers[n])
+
 def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None = None, poison: bool = False):
     "A no-grad forward from a copy of the RNG state (two of them draw the same dropout masks), buffers restored; `on_call(module, inputs, output, parent, call)` after each module; appends to `drew` whether it drew random numbers. `poison`: row 0 of the first floating batch-first module output becomes NaN (for integer inputs)."
     running: list = []                                   # the modules whose forward is under way, innermost last
@@ -157,21 +167,18 @@ def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None =
         replaced = _poison_first(output, x.shape[0], pending)
         on_call(module, inputs, output if replaced is None else replaced, running[-1] if running else None, (module, k))
         return replaced
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     handles = ([h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
                if on_call is not None else [])
     devices = [x.device] if x.device.type == 'cuda' else []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _NoTF32(x.device.type == 'cuda'):
-            start = _rng_states(devices) if drew is not None else None
-            out = model(x)
-            if drew is not None: drew.append(any(not torch.equal(a, b) for a, b in zip(start, _rng_states(devices))))
-            return out
-    finally:
-        for h in handles: h.remove()
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers: b.copy_(buffers[n])
+    with _buffers_restored(model):
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), _NoTF32(x.device.type == 'cuda'):
+                start = _rng_states(devices) if drew is not None else None
+                out = model(x)
+                if drew is not None: drew.append(any(not torch.equal(a, b) for a, b in zip(start, _rng_states(devices))))
+                return out
+        finally:
+            for h in handles: h.remove()
 
 def _nonfinite(obj) -> list:
     "Per floating tensor in `obj`, its mask of non-finite entries, None where all are finite (one sum to tell)."
@@ -302,17 +309,14 @@ def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:
     def keep(module, inputs, output):
         refs.extend((module, weakref.ref(t)) for t in _tensors(output) if t.requires_grad)
     xin = (x[:2] if x.shape[0] >= 2 else x).detach()
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     held = _attribute_tensors(model)                     # what modules held before: a loss a training step stored is not this forward's
     handles = [m.register_forward_hook(keep) for m in model.modules()]
     devices = [x.device] if x.device.type == 'cuda' else []
-    try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices): model(xin)   # the output is dropped at once
-    finally:
-        for h in handles: h.remove()
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers: b.copy_(buffers[n])
+    with _buffers_restored(model):
+        try:
+            with torch.enable_grad(), torch.random.fork_rng(devices=devices): model(xin)   # the output is dropped at once
+        finally:
+            for h in handles: h.remove()
     if any(r() is not None for _, r in refs): gc.collect()   # to be sure: a reference cycle alone keeps nothing alive
     found = [f'the output of module {_where(m, names)}' for m, r in refs if r() is not None]
     return list(dict.fromkeys(found + [f'attribute {a}' for a in graph_attributes(model, held)]))
