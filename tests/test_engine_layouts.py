@@ -139,7 +139,7 @@ def test_graph_layouts_propagate_through_views():
     torch.manual_seed(0)
     model = BatchFirstMHA()
     x = inputs('mha_batch_first')[0]
-    dyn, ins, fw, bw, xc = _aot._capture(model, HeadCapture(model.fc), x)
+    dyn, ins, fw, bw, xc, _ = _aot._capture(model, HeadCapture(model.fc), x)
     xn = [n for n, v in zip([n for n in fw.graph.nodes if n.op == 'placeholder'], ins) if v is xc][0]
     env = graph_layouts(fw, sym_expr(xn.meta['val'].shape[0]), xn)
     kinds = {l[0] for l in env.values() if isinstance(l, tuple)}
@@ -212,7 +212,7 @@ def test_row_numbers_keep_their_layout_through_views_and_are_renumbered():
     torch.manual_seed(0)
     model = RowGather()
     x = torch.randn(6, 5, 4)
-    dyn, ins, fw, bw, xc = _aot._capture(model, HeadCapture(model.fc), x)
+    dyn, ins, fw, bw, xc, _ = _aot._capture(model, HeadCapture(model.fc), x)
     xn = [n for n, v in zip([n for n in fw.graph.nodes if n.op == 'placeholder'], ins) if v is xc][0]
     env = graph_layouts(fw, sym_expr(xn.meta['val'].shape[0]), xn)
     aranges = [n for n in fw.graph.nodes if n.target is torch.ops.aten.arange.default]

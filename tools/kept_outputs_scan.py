@@ -1,7 +1,8 @@
-"""The scan behind nbs/01c_probe.ipynb's statement that no common architecture keeps a module output past its forward
-(a maintainers' helper): `capskip.engine.probe.kept_outputs` on 15 timm, 15 torchvision and 13 Hugging Face models
-built from configs (no weights), in train mode. A model listed with anything kept would be refused by reuse and
-reforward.
+"""The scan behind nbs/01c_probe.ipynb's statements that no common architecture keeps a module output past its forward
+and that none but BatchNorm keeps updating buffers (a maintainers' helper): `capskip.engine.probe.kept_outputs` and
+`updated_buffers` on 15 timm, 15 torchvision and 13 Hugging Face models built from configs (no weights), in train mode.
+A model listed with anything kept, or with buffers updated outside BatchNorm, would be refused by reuse and reforward
+(BatchNorm in train mode is refused before, as row-dependent: its running statistics are counted apart).
 
 Usage: python tools/kept_outputs_scan.py
 """
@@ -9,7 +10,7 @@ import warnings
 
 import torch
 
-from capskip.engine.probe import kept_outputs
+from capskip.engine.probe import kept_outputs, updated_buffers
 
 TIMM = ['resnet18', 'vit_tiny_patch16_224', 'convnext_atto', 'efficientnet_b0', 'mobilenetv3_small_050', 'regnetx_002',
         'deit_tiny_patch16_224', 'swin_tiny_patch4_window7_224', 'levit_128s', 'coat_lite_tiny', 'mixer_s16_224',
@@ -38,6 +39,14 @@ def hf_models():
     for name, cfg in enc.items(): yield f'hf:{name}', tf.AutoModelForSequenceClassification.from_config(cfg)
 
 
+def probed(model, x) -> tuple:
+    "(outputs kept past the forward, buffers updated outside BatchNorm, BatchNorm buffers updated)."
+    bn = {n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    updated = updated_buffers(model, x)
+    other = [b for b in updated if b.rsplit('.', 1)[0] not in bn]
+    return kept_outputs(model, x), other, len(updated) - len(other)
+
+
 def main():
     import timm, torchvision
     warnings.simplefilter('ignore')
@@ -45,16 +54,19 @@ def main():
     rows = []
     for name in TIMM:
         m = timm.create_model(name, num_classes=10, pretrained=False).train()
-        rows.append((f'timm:{name}', kept_outputs(m, torch.randn(2, 3, *m.default_cfg['input_size'][1:], generator=gen))))
+        rows.append((f'timm:{name}', *probed(m, torch.randn(2, 3, *m.default_cfg['input_size'][1:], generator=gen))))
     for name in TORCHVISION:
         kw = {'aux_logits': False, 'init_weights': False} if name in ('googlenet', 'inception_v3') else {}
         m = getattr(torchvision.models, name)(num_classes=10, **kw).train()
         side = 299 if name == 'inception_v3' else 224
-        rows.append((f'torchvision:{name}', kept_outputs(m, torch.randn(2, 3, side, side, generator=gen))))
+        rows.append((f'torchvision:{name}', *probed(m, torch.randn(2, 3, side, side, generator=gen))))
     for name, m in hf_models():
-        rows.append((name, kept_outputs(m.train(), torch.randint(0, 64, (2, 8), generator=gen))))
-    for name, kept in rows: print(f'{name:36s} {", ".join(kept) if kept else "nothing kept"}')
-    print(f'{sum(not k for _, k in rows)} of {len(rows)} models keep nothing past the forward')
+        rows.append((name, *probed(m.train(), torch.randint(0, 64, (2, 8), generator=gen))))
+    for name, kept, other, bn in rows:
+        print(f'{name:36s} {", ".join(kept) if kept else "nothing kept":16s}  buffers updated: '
+              f'{", ".join(other[:3]) if other else "none"}{f" (and {bn} of BatchNorm)" if bn else ""}')
+    print(f'{sum(not k for _, k, _, _ in rows)} of {len(rows)} models keep nothing past the forward; '
+          f'{sum(not o for _, _, o, _ in rows)} of {len(rows)} update no buffer outside BatchNorm')
 
 
 if __name__ == '__main__': main()

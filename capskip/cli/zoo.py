@@ -62,8 +62,7 @@ def zoo_entries(only: list[str] | None = None) -> list[ZooEntry]:
 
 # %% ../../nbs/09f_cli_zoo.ipynb #4eadb140
 CAUSES = {'batchnorm': 'BatchNorm in train mode', 'sequence_first': 'sequence-first attention',
-          'attention': 'attention across the batch', 'buffers': 'buffers updated in the forward',
-          'other': 'rows mixed'}
+          'attention': 'attention across the batch', 'other': 'rows mixed'}
 
 def _short(text: str, n: int = 110) -> str:
     text = ' '.join(str(text).split())

@@ -29,8 +29,8 @@ TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch vers
 
 # %% auto #0
 __all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows', 'take_rows',
-           'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'eval_sym', 'trace', 'run_forward',
-           'probe_traced']
+           'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'readable_guard', 'state_change',
+           'eval_sym', 'trace', 'run_forward', 'probe_traced']
 
 # %% ../../nbs/01e_aot.ipynb #84f028aa
 def torch_version_ok(version: str = torch.__version__) -> bool:
@@ -45,11 +45,13 @@ def check_private_apis() -> None:
         raise RuntimeError(f'capskip reuse mode is written against torch >= {TESTED_TORCH[0]} and < {TESTED_TORCH[1]} '
                            f'(private AOTAutograd/FX APIs); found torch {torch.__version__}. Use mode="reforward" or "masked".')
     import torch._dynamo
+    import torch._dynamo.eval_frame as eval_frame
     import torch.fx.graph as fx_graph
     from torch._dynamo.backends import common
     from torch.fx.experimental import symbolic_shapes
     missing = [f'{where}.{name}' for obj, where, name in [
         (torch._dynamo, 'torch._dynamo', 'mark_dynamic'), (common, 'torch._dynamo.backends.common', 'aot_autograd'),
+        (eval_frame, 'torch._dynamo.eval_frame', '_debug_get_cache_entry_list'),
         (fx_graph, 'torch.fx.graph', '_BoxedCodeGen'), (symbolic_shapes, 'torch.fx.experimental.symbolic_shapes', 'ShapeEnv')] if not hasattr(obj, name)]
     if missing:
         raise RuntimeError(f'torch {torch.__version__} lacks private APIs capskip reuse needs: {missing}. '
@@ -71,7 +73,7 @@ class Traced:
     "A captured forward/backward graph pair and how to feed them."
     fw: fx.GraphModule
     bw: fx.GraphModule                 # rewritten: lazy index_select of kept rows, boxed calling convention
-    sources: list                      # per forward input: ('param'|'buffer', name), ('x',), ('sym', expr), ('const', tensor)
+    sources: list                      # per forward input: ('param'|'buffer', name), ('x',), ('sym', expr), ('attr', module, name), ('const', tensor)
     batch: Any                         # the batch-size symbol
     n_user: int                        # forward outputs before the saved values (logits, features)
     bw_inputs: list                    # per backward input: ('saved', forward output, layout) | ('rows',) | ('tangent',)
@@ -81,12 +83,15 @@ class Traced:
     bw_full_inputs: list | None = None
     fallback_reason: str | None = None # set when slicing is impossible: backward runs at full B with masked tangents
     stores: int = 0                    # tensors the user's code (a hook, a module attribute) stored outside the output
+    state: Any = None                  # dynamo's guards on what the trace assumed (Python values, flags, hooks): `state_change`
+    rows: int = 2                      # the batch size it was traced at
 
 # %% ../../nbs/01e_aot.ipynb #3213580e
 def _capture(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> tuple:
     "Trace `model` on a copy of `x` (batch dim dynamic): dynamo's graph, its inputs, AOT's forward and backward graphs, the copy."
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     got: dict = {}
     def fw_compiler(gm, example_inputs):
         got['fw'] = gm
@@ -99,11 +104,14 @@ def _capture(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> tuple:
         return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
     xc = x.detach().clone()
     torch._dynamo.mark_dynamic(xc, 0)
-    compiled = torch.compile(_fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+    entry = _fresh_entry()
+    compiled = torch.compile(entry, backend=backend, fullgraph=True, dynamic=False)
     devices = [x.device] if x.device.type == 'cuda' else []
     # inside a DistributedDataParallel forward, dynamo would split the graph at DDP's bucket boundaries (optimize_ddp):
-    # one graph is what the reuse backward needs, and DDP's reducer syncs the node's gradients anyway
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch._dynamo.config.patch(optimize_ddp=False):
+    # one graph is what the reuse backward needs, and DDP's reducer syncs the node's gradients anyway. The guards
+    # include the modules' hooks (which hook code runs), which dynamo leaves out by default: a hook added later is retraced
+    with (torch.random.fork_rng(devices=devices), torch.enable_grad(),
+          torch._dynamo.config.patch(optimize_ddp=False, skip_nnmodule_hook_guards=False)):
         logits, _ = compiled(model, box, xc)
         if 'bw' not in got and logits.requires_grad:    # AOT may build the backward graph lazily
             wrt = [p for p in model.parameters() if p.requires_grad]
@@ -111,7 +119,8 @@ def _capture(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> tuple:
     box.value = None
     if 'bw' not in got:
         raise RuntimeError('AOTAutograd produced no backward graph: does any parameter require grad?')
-    return got['dynamo'], got['inputs'], got['fw'], got['bw'], xc
+    cached = _debug_get_cache_entry_list(entry.__code__)   # the one entry this capture made: its guards
+    return got['dynamo'], got['inputs'], got['fw'], got['bw'], xc, cached[0].guard_manager
 
 # %% ../../nbs/01e_aot.ipynb #86f07c45
 def _module_of(node: fx.Node) -> str:
@@ -140,17 +149,23 @@ def user_stores(dyn: fx.GraphModule) -> list:
     return [o for o in _outputs(dyn)[1:] if isinstance(o, fx.Node) and not os.path.abspath(innermost(o)).startswith(_PACKAGE + os.sep)]
 
 # %% ../../nbs/01e_aot.ipynb #a63a2daa
+def _tensor_attributes(model: nn.Module) -> dict:
+    "id -> (module path, attribute name) of every tensor a module holds as a plain attribute (neither parameter nor buffer)."
+    return {id(v): (path, name) for path, m in model.named_modules() for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and not name.startswith('_')}
+
 def _sources(model: nn.Module, inputs: list, xc: torch.Tensor) -> list:
-    "What each traced input is at run time: a parameter/buffer name, the input x, a symbolic size, or a constant."
+    "What each traced input is at run time: a parameter/buffer name, the input x, a symbolic size, a module's plain tensor attribute (read anew each step: it may be reassigned), or a constant."
     params = {id(p): n for n, p in model.named_parameters()}
     buffers = {id(b): n for n, b in model.named_buffers()}
+    attrs = _tensor_attributes(model)
     out = []
     for v in inputs:
         if v is xc: out.append(('x',))
         elif isinstance(v, torch.SymInt): out.append(('sym', sym_expr(v)))
         elif isinstance(v, torch.Tensor) and id(v) in params: out.append(('param', params[id(v)]))
         elif isinstance(v, torch.Tensor) and id(v) in buffers: out.append(('buffer', buffers[id(v)]))
-        elif isinstance(v, torch.Tensor): out.append(('const', v))
+        elif isinstance(v, torch.Tensor) and id(v) in attrs: out.append(('attr', *attrs[id(v)]))
         else: out.append(('const', v))
     return out
 
@@ -238,6 +253,33 @@ def guards_hold(traced: Traced, k: int) -> bool:
     "Whether every shape guard the trace assumed holds at batch size `k`."
     return failed_guard(traced, k) is None
 
+def readable_guard(code: str) -> str:
+    "A dynamo guard as its reader would write it: `model.layers.0.scaling['default'] == 2.0  # the line that read it` (not the file: an interactive cell's name changes from run to run)."
+    code = re.sub(r"(?:\._modules|\.__dict__\['_modules'\]|\.__dict__)\['([^']+)'\]", r".\1", code)
+    code = re.sub(r"G\['__import_[^']*'\]\.", '', code)          # a module's global: its name
+    code = re.sub(r"G\['([^']+)'\]", r"\1", code)
+    code = re.sub(r"\._forward(_pre)?_hooks\[list\(dict\.keys\([^()]*\)\)\[(\d+)\]\]", r".<forward\1 hook \2>", code)
+    code = re.sub(r"\.__closure__\[(\d+)\]\.cell_contents", r".<closure \1>", code)
+    code = code.split(' (HINT:')[0]                                  # dynamo's advice on recompiling: not ours to give
+    parts = re.sub(r"\s+#\s+", '  # ', code.replace("L['model']", 'model')).strip().split('  # ')
+    return '  # '.join(parts[:2])
+
+def _rows_like(x: torch.Tensor, n: int) -> torch.Tensor:
+    "An uninitialised tensor like `x` with `n` rows, laid out as `x.clone()` lays it out (channels-last kept, else contiguous)."
+    out = x.new_empty((n, *x.shape[1:]))
+    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.ndim == nd and not x.is_contiguous() and x.is_contiguous(memory_format=fmt): return out.contiguous(memory_format=fmt)
+    return out
+
+def state_change(traced: Traced, model: nn.Module, box: HeadCapture, x: torch.Tensor) -> str | None:
+    "None while every assumption dynamo made about `model`'s Python state still holds (attribute values, flags, hooks, global modes; the input: one of the traced batch size, like `x`), else the first that fails, as dynamo words it."
+    if traced.state is None: return None
+    f_locals = {'model': model, 'box': box, 'x': _rows_like(x, traced.rows)}   # not x: its shape guards are failed_guard's
+    with torch.enable_grad():                            # the trace's grad mode
+        if traced.state.check(f_locals): return None
+        parts = traced.state.check_verbose(f_locals).verbose_code_parts
+    return readable_guard(parts[0]) if parts else 'a guard dynamo did not name'
+
 @functools.lru_cache(maxsize=4096)
 def _sym_at(expr, batch, k: int) -> int:
     return int(expr.subs(batch, k))
@@ -273,7 +315,7 @@ def _bw_specs(bw: fx.GraphModule, n_user: int, tail: dict, layouts: dict) -> lis
 def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     "Capture `model` at `x`'s signature and prepare the graphs for reuse (see above)."
     check_private_apis()
-    dyn, inputs, fw, bw, xc = _capture(model, box, x)
+    dyn, inputs, fw, bw, xc, state = _capture(model, box, x)
     fw_ph = [n for n in fw.graph.nodes if n.op == 'placeholder']
     if len(fw_ph) != len(inputs):
         raise RuntimeError(f'traced forward has {len(fw_ph)} inputs for {len(inputs)} captured ones (duplicated or mutated inputs?)')
@@ -290,8 +332,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     saved_ph = [n for n in bw_ph if not n.name.startswith('tangents')]
     n_mut = len(fw_out) - n_user - len(saved_ph)
     if n_mut:
-        raise row_dependence_error('the forward', f'it updates {n_mut} buffer(s) in place, statistics of the batch kept '
-                                   'across steps', 'buffers')
+        raise RuntimeError(f'the forward updates {n_mut} buffer(s) in place, which the traced graph does not write back')
     if n_user < 2: raise RuntimeError("the head's input was not captured in the traced forward: trace through an Engine's box")
     if len(tangents) != 1:    # outputs: (logits, features, side-effect stores of other hooks)
         raise RuntimeError(f'reuse needs a model returning one logits tensor ({len(tangents)} differentiable outputs traced)')
@@ -320,7 +361,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards,
-                  bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason, len(user_stores(dyn)))
+                  bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason, len(user_stores(dyn)), state, xc.shape[0])
 
 # %% ../../nbs/01e_aot.ipynb #26995aa4
 def _inputs(traced: Traced, model: nn.Module, x: torch.Tensor) -> list:
@@ -333,6 +374,7 @@ def _inputs(traced: Traced, model: nn.Module, x: torch.Tensor) -> list:
         elif kind == 'param': out.append(params[src[1]])
         elif kind == 'buffer': out.append(buffers[src[1]])
         elif kind == 'sym': out.append(eval_sym(src[1], traced, x.shape[0]))
+        elif kind == 'attr': out.append(getattr(model.get_submodule(src[1]), src[2]))
         else: out.append(src[1])
     return out
 

@@ -18,7 +18,8 @@ from .types import RowDependenceError, row_dependence_error
 # %% auto #0
 __all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
            'finite_rows', 'mixing_cause', 'probe_modules', 'kept_outputs', 'graph_attributes', 'kept_output_error',
-           'module_states', 'RowProbe', 'param_caches', 'cleared_caches', 'stored_tensors', 'unreached_error']
+           'updated_buffers', 'buffer_update_error', 'module_states', 'RowProbe', 'param_caches', 'cleared_caches',
+           'stored_tensors', 'unreached_error']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -343,6 +344,32 @@ def kept_output_error(kept: list[str]) -> ValueError:
                       "attribute keeps it); mode='reuse' and 'reforward' back-propagate the logits alone, so a loss on it "
                       "would get no gradient: keep a .detach() copy where you only read it, or use mode='masked'")
 
+# %% ../../nbs/01c_probe.ipynb #c9b1f002
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    "Whether two tensors hold the same bits (NaN included)."
+    if a.shape != b.shape or a.dtype != b.dtype: return False
+    bits = lambda t: t.detach().reshape(-1).contiguous().view(torch.uint8)
+    return torch.equal(bits(a), bits(b))
+
+def updated_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
+    "Names of the buffers that a forward of `model` (on two rows of `x`, without autograd) changes again when it runs a second time: state a training forward advances (a power iteration's vectors, an average, a counter). Buffers restored."
+    xin = (x[:2] if x.shape[0] >= 2 else x).detach()
+    devices = [x.device] if x.device.type == 'cuda' else []
+    with _buffers_restored(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        model(xin)
+        first = {n: b.detach().clone() for n, b in model.named_buffers()}
+        model(xin)
+        return [n for n, b in model.named_buffers() if n in first and not _same_bits(first[n], b)]
+
+def buffer_update_error(names: list[str]) -> ValueError:
+    "The skipping modes' refusal of a forward that keeps updating buffers (`updated_buffers`)."
+    more = f' ({len(names)} in all)' if len(names) > 3 else ''
+    return ValueError(f'capskip: the forward updates the buffer(s) {", ".join(names[:3])}{more} in place each time it runs '
+                      "(a power iteration's vectors, an average or a counter kept across steps); mode='reforward' would run "
+                      "it twice per step, the second time on the kept rows only, and mode='reuse' replays a traced graph that "
+                      "does not write them back: use mode='masked' (plain autograd's gradient and state, no saving), or "
+                      'eval() on that module if its buffers should stay fixed')
+
 # %% ../../nbs/01c_probe.ipynb #3ee763b1
 def module_states(model: nn.Module) -> tuple:
     "Every module's identity, train flag and number of forward hooks, flat: a submodule switched to train mode, replaced, or hooked, gives another tuple."
@@ -359,11 +386,12 @@ class RowProbe:
         self.model, self.passed = model, set()
 
     def check(self, x: torch.Tensor) -> None:
-        "Raise `RowDependenceError` if rows of `x` are not independent in the model, or `kept_output_error` if module outputs outlive its forward (probed on the first `x` of its batch size, signature and module state)."
+        "Raise `RowDependenceError` if rows of `x` are not independent in the model, `kept_output_error` if module outputs outlive its forward, or `buffer_update_error` if it keeps updating buffers (probed on the first `x` of its batch size, signature and module state)."
         sig = (x.shape[0], tuple(x.shape[1:]), x.dtype, x.device.type, module_states(self.model))
         if sig in self.passed: return
         probe_modules(self.model, x)
         if kept := kept_outputs(self.model, x): raise kept_output_error(kept)
+        if updated := updated_buffers(self.model, x): raise buffer_update_error(updated)
         self.passed.add(sig)
 
 # %% ../../nbs/01c_probe.ipynb #c3a1e002

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ._aot import Traced, eval_sym, failed_guard, guards_hold, log, probe_traced, run_forward, take_rows, trace
+from ._aot import Traced, eval_sym, failed_guard, guards_hold, log, probe_traced, run_forward, state_change, take_rows, trace
 from .executors import Executor, Reforward, mark_rows_dynamic
 from .gathers import group_args, grouped_backward, shared_gathers
 from .head import HeadCapture
@@ -26,8 +26,8 @@ from .stages import STAGES, run_stages, split_stages, stage_groups
 from .types import Forward, RowDependenceError
 
 # %% auto #0
-__all__ = ['ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced', 'user_hooks',
-           'Reuse']
+__all__ = ['MAX_TRACES', 'ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced',
+           'user_hooks', 'Reuse']
 
 # %% ../../nbs/01f_reuse.ipynb #0f34d0dc
 @dataclass
@@ -98,13 +98,14 @@ def saved_bytes(state: ReuseState, kept: int, grouped: bool = True) -> tuple[int
 
 # %% ../../nbs/01f_reuse.ipynb #9d8d5957
 _TRACES: 'weakref.WeakKeyDictionary[nn.Module, dict]' = weakref.WeakKeyDictionary()   # model -> {signature: Traced | reason}
+MAX_TRACES = 8   # traces per input signature (dynamo's own recompile limit); past it a changed state runs the fallback
 
 def cached_traces(model: nn.Module) -> list:
     "Every traced graph pair (`Traced`) or fallback reason (str) cached for `model`, over all input signatures."
     return [entry for entries in _TRACES.get(model, {}).values() for entry in entries]
 
 def clear_traces(model: nn.Module) -> None:
-    "Forget `model`'s traced graphs (after changing hyper-parameters such as dropout rates, which the cache key does not see)."
+    "Forget `model`'s traced graphs (to free their memory: a changed dropout rate or flag is retraced anyway, `state_change`)."
     _TRACES.pop(model, None)
 
 # %% ../../nbs/01f_reuse.ipynb #c0a1b2d3
@@ -150,7 +151,7 @@ class Reuse(Executor):
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
         self.params: dict = {}                           # (id(Traced), parameter names) -> (Traced, gradient slots), made once
         self.staged: dict = {}                           # (id(graph), names, groups) -> its graph cut in stages
-        self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of
+        self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of; ('state', signature) -> reason
 
     def runnable(self, traced: Traced) -> Traced:
         "`traced` itself, or (compile=True) its compiled twin, made once."
@@ -160,12 +161,20 @@ class Reuse(Executor):
         return twin[1]
 
     def traced_for(self, x: torch.Tensor):
-        "The traced graphs for `x` (traced and probed on first use, retraced if a shape guard fails), or a fallback reason."
+        "The traced graphs for `x` (traced and probed on first use, retraced if a shape guard fails or the Python state the trace assumed changed: `state_change`), or a fallback reason."
         key = _signature(self.model, x) + (id(self.capture.head),)
         xr = x if x.shape[0] >= 2 else torch.cat([x, x])
         entries = self.cache.setdefault(key, [])
+        changed = None                                   # the first assumption on Python state a cached trace broke
         for entry in entries:
-            if isinstance(entry, str) or guards_hold(entry, xr.shape[0]): return entry
+            if isinstance(entry, str): return entry
+            if not guards_hold(entry, xr.shape[0]): continue
+            if (why := state_change(entry, self.model, self.capture, xr)) is None: return entry
+            changed = changed or why
+        if changed is not None and len(entries) >= MAX_TRACES:
+            return self.state_fallback(key, changed)
+        if changed is not None:
+            log.info('capskip reuse: retracing %s: its trace assumed %s', type(self.model).__name__, changed)
         with cleared_caches(self.model):                 # the probe's forwards fill them again
             self.probe.check(x)                          # eager probe: names the module
         held = stored_tensors(self.model)
@@ -177,6 +186,8 @@ class Reuse(Executor):
             except Exception as err:                     # graph break, unsupported op, dynamic control flow
                 traced = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
             if not isinstance(traced, str): probe_traced(traced, self.model, xr)
+        if not isinstance(traced, str) and (moved := state_change(traced, self.model, self.capture, xr)) is not None:
+            traced = f'its forward changes, at every call, Python state it reads ({moved}: false after one forward)'
         if isinstance(traced, str):
             reason = traced
             msg = (f'capskip reuse: tracing {type(self.model).__name__} failed ({reason}); '
@@ -184,6 +195,9 @@ class Reuse(Executor):
             if 'logging.Logger' in reason:               # a log call in the forward: transformers' use_cache one, mostly
                 msg += ('; the forward calls a logging.Logger method (a transformers model does so on every forward when '
                         'gradient checkpointing meets config.use_cache=True): set model.config.use_cache = False')
+            if 'changes, at every call' in reason:       # a list a hook appends to, a counter the forward increments
+                msg += ('; a trace would replay the value of its first call. Keep such state out of the forward (log from '
+                        'the logits or skip.last after the step), or use mode="masked" (plain autograd, no saving)')
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
             entries.append(reason)
             return reason
@@ -198,6 +212,18 @@ class Reuse(Executor):
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
         entries.append(traced)
         return traced
+
+    def state_fallback(self, key: tuple, changed: str) -> str:
+        "The fallback's reason for a state none of the `MAX_TRACES` traces of `key` assumed (warned once per signature)."
+        reason = f'its Python state changed past {MAX_TRACES} traces of this input signature (now false: {changed})'
+        if ('state', key) not in self.warned:
+            self.warned[('state', key)] = reason
+            msg = (f'capskip reuse: the forward of {type(self.model).__name__} depends on Python state that keeps changing '
+                   f'({changed}: false now); each new value needs a new trace: past {MAX_TRACES} '
+                   f'the states not yet traced run mode="{self.fallback.mode}" (exact, no saving). A value that changes '
+                   'every step belongs in a buffer (register_buffer), which the traced graph reads anew each step')
+            log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return reason
 
     def warn_all_rows(self, traced: Traced, why: str) -> None:
         "Warn once per traced graph that a backward runs over all rows although some are dropped (exact, no saving)."

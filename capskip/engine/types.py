@@ -49,8 +49,6 @@ FIXES = {
                        'x.transpose(0, 1) and transpose its output back'),
     'attention': ('attention runs across the batch dimension. Fix: keep the batch out of the attended (sequence) '
                   'dimension, e.g. [B, heads, N, d]'),
-    'buffers': ('the forward updates buffers in place (statistics of the batch kept across steps, e.g. BatchNorm running '
-                'statistics). Fix: put those layers in eval mode, or convert BatchNorm with capskip.batchnorm_to_groupnorm(model)'),
     'batch_size': ('the output depends on the batch size or on a row\'s position (code that branches on x.shape[0], a '
                    'capacity or a position table sized by the batch), so a backward over fewer rows would compute another '
                    'function. Fix: make the forward independent of the batch size'),
