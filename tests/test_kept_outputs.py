@@ -107,3 +107,22 @@ def test_a_hook_added_after_the_first_steps_is_probed():
     skip.loss(skip(X), Y).backward()                                    # probed and passed: nothing kept
     with pytest.raises(ValueError, match='the output of module b'):
         hooked_step(model, skip, skip.loss, X, Y)                       # a new hook: the module state changed
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'reforward'])
+def test_the_deprecated_weight_norm_is_named_and_its_successor_runs_exactly(mode):
+    X, Y = data()
+    legacy = net()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                                 # its deprecation warning
+        torch.nn.utils.weight_norm(legacy.b)
+    skip = CAPSkip(legacy, budget=0.5, mode=mode)
+    with pytest.raises(ValueError, match=r'attribute b\.weight outlive.*parametrizations\.weight_norm keeps nothing'):
+        skip.loss(skip(X), Y).backward()
+    model, ref = net(), net()
+    for m in (model, ref): torch.nn.utils.parametrizations.weight_norm(m.b)
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    skip.loss(skip(X), Y).backward()
+    (F.cross_entropy(ref(X), Y, reduction='none') * skip.last.applied).sum().div(len(Y)).backward()
+    top, rel = grad_errors(model_grads(model), model_grads(ref))
+    assert top < TOL and rel < TOL, (mode, top, rel)

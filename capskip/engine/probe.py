@@ -338,11 +338,22 @@ def graph_attributes(model: nn.Module, before: dict | None = None) -> list[str]:
     return [k for k, ts in _attribute_tensors(model).items()
             if any(t.grad_fn is not None and id(t) not in before.get(k, ()) for t in ts)]
 
-def kept_output_error(kept: list[str]) -> ValueError:
-    "The skipping modes' refusal of a model whose module outputs outlive its forward (`kept_outputs`)."
+def _legacy_norms(model: nn.Module | None) -> list[str]:
+    "Names of the modules that carry the deprecated `torch.nn.utils.weight_norm` / `spectral_norm` hook (it stores the weight it computes on the module)."
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    if model is None: return []
+    return [n or type(model).__name__ for n, m in model.named_modules()
+            if any(isinstance(h, (WeightNorm, SpectralNorm)) for h in m._forward_pre_hooks.values())]
+
+def kept_output_error(kept: list[str], model: nn.Module | None = None) -> ValueError:
+    "The skipping modes' refusal of a model whose module outputs outlive its forward (`kept_outputs`); `model`: to name a deprecated weight-norm hook, the usual cause."
+    legacy = _legacy_norms(model)
+    hint = ('; the deprecated torch.nn.utils.weight_norm / spectral_norm on ' + ", ".join(legacy[:3]) + ' keep the weight '
+            'they compute this way: torch.nn.utils.parametrizations.weight_norm keeps nothing') if legacy else ''
     return ValueError(f'capskip: {", ".join(kept[:3])} outlive(s) the forward with its graph (a forward hook or a module '
                       "attribute keeps it); mode='reuse' and 'reforward' back-propagate the logits alone, so a loss on it "
-                      "would get no gradient: keep a .detach() copy where you only read it, or use mode='masked'")
+                      f"would get no gradient: keep a .detach() copy where you only read it, or use mode='masked'{hint}")
 
 # %% ../../nbs/01c_probe.ipynb #c9b1f002
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -390,7 +401,7 @@ class RowProbe:
         sig = (x.shape[0], tuple(x.shape[1:]), x.dtype, x.device.type, module_states(self.model))
         if sig in self.passed: return
         probe_modules(self.model, x)
-        if kept := kept_outputs(self.model, x): raise kept_output_error(kept)
+        if kept := kept_outputs(self.model, x): raise kept_output_error(kept, self.model)
         if updated := updated_buffers(self.model, x): raise buffer_update_error(updated)
         self.passed.add(sig)
 
