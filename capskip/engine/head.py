@@ -14,6 +14,8 @@ from collections import deque
 import torch
 import torch.nn as nn
 
+from .types import buffers_restored
+
 # %% auto #0
 __all__ = ['PASS_THROUGH', 'GATHER_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'pass_chain',
            'passes_through', 'gathered_through', 'carry', 'split_carried', 'ops_between', 'head_call', 'locate_head',
@@ -149,15 +151,11 @@ def _carried_forward(model: nn.Module, xin: torch.Tensor, head: nn.Module, call:
         got['out'], got['in'] = output, inputs[0]
         return carry(output, inputs[0])
     handle = head.register_forward_hook(hook)
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        with buffers_restored(model), torch.enable_grad(), torch.random.fork_rng(devices=devices):
             return model(xin), got
     finally:
         handle.remove()
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers: b.copy_(buffers[n])
 
 def _check_gathered(model, xin, m, k, out, head_out, feats, devices, names) -> None:
     "Refuse (`HeadError`) unless carrying the head's input through the forward gives the logits and, as features, inputs whose Σ_i g_i h_iᵀ is the head's gradient."
@@ -198,16 +196,12 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
     if xin.is_floating_point(): xin.requires_grad_(True)     # an autograd graph to follow, even with frozen weights
     calls: list = []
     handles = [m.register_forward_hook(lambda m, i, o: calls.append((m, i, o))) for m in model.modules()]
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     devices = [x.device] if x.device.type == 'cuda' else []
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        with buffers_restored(model), torch.enable_grad(), torch.random.fork_rng(devices=devices):
             out = model(xin)
     finally:
         for hd in handles: hd.remove()
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers: b.copy_(buffers[n])
     names = {m: n for n, m in model.named_modules()}
     if not isinstance(out, torch.Tensor) or out.ndim not in (2, 3):
         got = f'a tensor of shape {tuple(out.shape)}' if isinstance(out, torch.Tensor) else f'a {type(out).__name__}'

@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .types import RowDependenceError, row_dependence_error
+from .types import RowDependenceError, buffers_restored, row_dependence_error
 
 # %% auto #0
 __all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
@@ -146,16 +146,6 @@ def _poison_first(output, batch: int, pending: list):
     out[0] = float('nan')
     return out
 
-@contextlib.contextmanager
-def _buffers_restored(model: nn.Module):
-    "Within the block, `model` may update its buffers (BatchNorm's running statistics); on exit they hold their values from before it again."
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    try: yield
-    finally:
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers: b.copy_(buffers[n])
-
 def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None = None, poison: bool = False):
     "A no-grad forward from a copy of the RNG state (two of them draw the same dropout masks), buffers restored; `on_call(module, inputs, output, parent, call)` after each module; appends to `drew` whether it drew random numbers. `poison`: row 0 of the first floating batch-first module output becomes NaN (for integer inputs)."
     running: list = []                                   # the modules whose forward is under way, innermost last
@@ -171,7 +161,7 @@ def _hooked(model: nn.Module, x: torch.Tensor, on_call=None, drew: list | None =
     handles = ([h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
                if on_call is not None else [])
     devices = [x.device] if x.device.type == 'cuda' else []
-    with _buffers_restored(model):
+    with buffers_restored(model):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices), _NoTF32(x.device.type == 'cuda'):
                 start = _rng_states(devices) if drew is not None else None
@@ -313,7 +303,7 @@ def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:
     held = _attribute_tensors(model)                     # what modules held before: a loss a training step stored is not this forward's
     handles = [m.register_forward_hook(keep) for m in model.modules()]
     devices = [x.device] if x.device.type == 'cuda' else []
-    with _buffers_restored(model):
+    with buffers_restored(model):
         try:
             with torch.enable_grad(), torch.random.fork_rng(devices=devices): model(xin)   # the output is dropped at once
         finally:
@@ -366,7 +356,7 @@ def updated_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
     "Names of the buffers that a forward of `model` (on two rows of `x`, without autograd) changes again when it runs a second time: state a training forward advances (a power iteration's vectors, an average, a counter). Buffers restored."
     xin = (x[:2] if x.shape[0] >= 2 else x).detach()
     devices = [x.device] if x.device.type == 'cuda' else []
-    with _buffers_restored(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with buffers_restored(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
         model(xin)
         first = {n: b.detach().clone() for n, b in model.named_buffers()}
         model(xin)

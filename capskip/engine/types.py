@@ -5,13 +5,16 @@
 # %% ../../nbs/01a_types.ipynb #0393eecd
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 # %% auto #0
-__all__ = ['MODES', 'FIXES', 'Forward', 'RowDependenceError', 'row_dependence_message', 'row_dependence_error']
+__all__ = ['MODES', 'FIXES', 'Forward', 'RowDependenceError', 'row_dependence_message', 'row_dependence_error',
+           'buffers_restored']
 
 # %% ../../nbs/01a_types.ipynb #1c5e2488
 MODES = ('dense', 'masked', 'reforward', 'reuse')
@@ -64,3 +67,14 @@ def row_dependence_message(where: str, detail: str = '', cause: str = 'other') -
 def row_dependence_error(where: str, detail: str = '', cause: str = 'other') -> RowDependenceError:
     "The refusal, with its message (`row_dependence_message`), `where` and `cause` attached."
     return RowDependenceError(row_dependence_message(where, detail, cause), where, cause if cause in FIXES else 'other')
+
+# %% ../../nbs/01a_types.ipynb #a1b2c002
+@contextlib.contextmanager
+def buffers_restored(model: nn.Module):
+    "Within the block, `model` may update its buffers (BatchNorm's running statistics); on exit they hold their values from before it again."
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try: yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers: b.copy_(buffers[n])
