@@ -154,3 +154,33 @@ def test_a_forward_that_changes_state_it_reads_runs_the_fallback_at_once():
     said = [str(w.message) for w in caught if 'changes, at every call' in str(w.message)]
     assert len(said) == 1 and 'model.calls == ' in said[0] and 'HINT' not in said[0], said
     assert len(reuse.cached_traces(model)) == 1 and isinstance(reuse.cached_traces(model)[0], str)   # no trace kept
+
+
+class Scaled(nn.Module):
+    "A classifier whose forward takes a float keyword, as an annealed temperature or mixing coefficient is passed."
+    def __init__(self):
+        super().__init__(); self.a, self.fc = nn.Linear(6, 8), nn.Linear(8, 4)
+    def forward(self, x, scale=1.0): return self.fc(torch.tanh(self.a(x)) * scale)
+
+
+@pytest.mark.parametrize('mode', ['dense', 'masked', 'reforward', 'reuse'])
+def test_a_float_keyword_that_changes_every_step_is_exact_in_every_mode(mode, monkeypatch):
+    "Before, each new value was a new input structure: after 16 steps every mode stopped with an error about padding."
+    monkeypatch.setattr(reuse, 'MAX_TRACES', 3)                        # the fallback sooner: fewer traces to wait for
+    def scaled():
+        torch.manual_seed(0)
+        return Scaled().double()
+    model, ref = scaled(), scaled()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for step, (x, y) in enumerate(batches(20)):
+            scale = 1.0 - 0.03 * step
+            model.zero_grad(); ref.zero_grad()
+            skip.loss(skip(x, scale=scale), y).backward()
+            (F.cross_entropy(ref(x, scale=scale), y, reduction='none') * skip.last.applied).sum().div(len(y)).backward()
+            top, rel = grad_errors(model_grads(model), model_grads(ref))
+            assert top < TOL and rel < TOL, (step, top, rel)
+    said = [str(w.message) for w in caught if 'keeps changing' in str(w.message)]
+    if mode == 'reuse': assert len(said) == 1 and "the forward of Scaled" in said[0] and "the call's constant argument 1 ==" in said[0], said
+    else: assert said == []

@@ -262,6 +262,8 @@ def readable_guard(code: str) -> str:
     code = re.sub(r"\.__closure__\[(\d+)\]\.cell_contents", r".<closure \1>", code)
     code = code.split(' (HINT:')[0]                                  # dynamo's advice on recompiling: not ours to give
     parts = re.sub(r"\s+#\s+", '  # ', code.replace("L['model']", 'model')).strip().split('  # ')
+    if m := re.match(r"model\.spec\.leaves\[(\d+)\]( == .*)", parts[0]):   # a constant of a keyword call (`ModelCall`)
+        return f"the call's constant argument {m[1]}{m[2]}"             # its line is capskip's own: not shown
     return '  # '.join(parts[:2])
 
 def _rows_like(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -276,9 +276,10 @@ class Engine:
         if x.shape[0] == 0: raise ValueError('the batch is empty: pass at least one row')
         if spec.key not in self.calls:
             if len(self.calls) >= MAX_CALLS:
-                raise ValueError(f'{MAX_CALLS} different input structures (keywords, dtypes, shapes after the batch) were '
-                                 'seen; each gets its own traced graph: pad inputs to a fixed length (e.g. padding="max_length" '
-                                 'or pad_to_multiple_of) and keep the keywords the same from batch to batch')
+                raise ValueError(f'{MAX_CALLS} different input structures (keywords, dtypes, shapes after the batch, the '
+                                 'values of constant arguments other than floats) were seen; each gets its own traced graph: pad '
+                                 'inputs to a fixed length (e.g. padding="max_length" or pad_to_multiple_of), keep the keywords '
+                                 'the same from batch to batch, and pass a value that changes every step as a float or per row')
             call = ModelCall(self.model, spec, self.logits_fn)
             capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
             self.calls[spec.key] = (call, capture, self._executor(call, capture))

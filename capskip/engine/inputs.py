@@ -44,11 +44,12 @@ class InputSpec:
 
     @property
     def key(self) -> tuple:
-        "What two calls must share to run the same module: structure, row dtypes and shapes, constants by value."
+        "What two calls must share to run the same module: structure, row dtypes and shapes, constants by value (a float by its type: an annealed scale would make a structure per step)."
         return (str(self.treedef), self.packed,
                 tuple((l.dtype, l.shape) if isinstance(l, RowLeaf) else ('const', _const_key(l)) for l in self.leaves))
 
 def _const_key(value) -> Any:
+    if isinstance(value, float): return ('float',)      # its value reaches the forward with the call (`ModelCall.spec`); reuse's guards see it
     if isinstance(value, torch.Tensor):
         if value.requires_grad: return ('trained', value.dtype, tuple(value.shape), str(value.device))   # its values change as it trains
         if value.numel() > 4096:
@@ -141,6 +142,10 @@ class ModelCall(nn.Module):
 
     @training.setter
     def training(self, value: bool) -> None: pass
+
+    @property
+    def called(self) -> nn.Module:               # what messages name
+        return self._modules['model']
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args, kwargs = unpack_inputs(x, self.spec)

@@ -27,7 +27,7 @@ from .types import Forward, RowDependenceError
 
 # %% auto #0
 __all__ = ['MAX_TRACES', 'ReuseState', 'gather_sources', 'saved_bytes', 'cached_traces', 'clear_traces', 'compile_traced',
-           'user_hooks', 'Reuse']
+           'model_name', 'user_hooks', 'Reuse']
 
 # %% ../../nbs/01f_reuse.ipynb #0f34d0dc
 @dataclass
@@ -129,6 +129,11 @@ def compile_traced(traced: Traced) -> Traced:
 
 
 # %% ../../nbs/01f_reuse.ipynb #d4e1f001
+def model_name(model: nn.Module) -> str:
+    "The class name a message gives `model`: the user's model's, also behind the module a keyword call runs (`called`)."
+    inner = getattr(model, 'called', None)
+    return type(inner if isinstance(inner, nn.Module) else model).__name__
+
 def user_hooks(model: nn.Module) -> list[str]:
     "The modules of `model` (named) that carry forward hooks or forward pre-hooks other than capskip's own (a `HeadCapture`'s)."
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
@@ -174,7 +179,7 @@ class Reuse(Executor):
         if changed is not None and len(entries) >= MAX_TRACES:
             return self.state_fallback(key, changed)
         if changed is not None:
-            log.info('capskip reuse: retracing %s: its trace assumed %s', type(self.model).__name__, changed)
+            log.info('capskip reuse: retracing %s: its trace assumed %s', model_name(self.model), changed)
         with cleared_caches(self.model):                 # the probe's forwards fill them again
             self.probe.check(x)                          # eager probe: names the module
         held = stored_tensors(self.model)
@@ -190,7 +195,7 @@ class Reuse(Executor):
             traced = f'its forward changes, at every call, Python state it reads ({moved}: false after one forward)'
         if isinstance(traced, str):
             reason = traced
-            msg = (f'capskip reuse: tracing {type(self.model).__name__} failed ({reason}); '
+            msg = (f'capskip reuse: tracing {model_name(self.model)} failed ({reason}); '
                    f'falling back to mode="{self.fallback.mode}"')
             if 'logging.Logger' in reason:               # a log call in the forward: transformers' use_cache one, mostly
                 msg += ('; the forward calls a logging.Logger method (a transformers model does so on every forward when '
@@ -206,7 +211,7 @@ class Reuse(Executor):
         if traced.stores:                                # tensors the user's code stored outside the output
             hooked = user_hooks(self.model)
             where = f'a forward hook on {", ".join(hooked[:3])}' if hooked else 'a module attribute'
-            msg = (f'capskip reuse: the forward of {type(self.model).__name__} stores {traced.stores} tensor(s) outside '
+            msg = (f'capskip reuse: the forward of {model_name(self.model)} stores {traced.stores} tensor(s) outside '
                    f'its output ({where} keeps them, e.g. for logging); the traced forward of later steps stores nothing, so '
                    'what keeps them holds this first step\'s values. Use mode="reforward" where the stores must happen every step')
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -218,10 +223,10 @@ class Reuse(Executor):
         reason = f'its Python state changed past {MAX_TRACES} traces of this input signature (now false: {changed})'
         if ('state', key) not in self.warned:
             self.warned[('state', key)] = reason
-            msg = (f'capskip reuse: the forward of {type(self.model).__name__} depends on Python state that keeps changing '
+            msg = (f'capskip reuse: the forward of {model_name(self.model)} depends on Python state that keeps changing '
                    f'({changed}: false now); each new value needs a new trace: past {MAX_TRACES} '
                    f'the states not yet traced run mode="{self.fallback.mode}" (exact, no saving). A value that changes '
-                   'every step belongs in a buffer (register_buffer), which the traced graph reads anew each step')
+                   'every step belongs in a buffer (register_buffer) or a per-row input, which the traced graph reads anew each step')
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return reason
 
@@ -229,7 +234,7 @@ class Reuse(Executor):
         "Warn once per traced graph that a backward runs over all rows although some are dropped (exact, no saving)."
         if id(traced) in self.warned: return
         self.warned[id(traced)] = traced
-        msg = (f'capskip reuse: the backward of {type(self.model).__name__} runs over all rows (exact, no saving): {why}; '
+        msg = (f'capskip reuse: the backward of {model_name(self.model)} runs over all rows (exact, no saving): {why}; '
                'StepStats.all_rows and Forward.all_rows record each such step (warned once per graph)')
         log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
