@@ -184,3 +184,33 @@ def test_a_float_keyword_that_changes_every_step_is_exact_in_every_mode(mode, mo
     said = [str(w.message) for w in caught if 'keeps changing' in str(w.message)]
     if mode == 'reuse': assert len(said) == 1 and "the forward of Scaled" in said[0] and "the call's constant argument 1 ==" in said[0], said
     else: assert said == []
+
+
+class Shifted(nn.Module):
+    "A classifier whose forward takes tensors without the batch dimension: a 0-d scale and a shift per feature."
+    def __init__(self):
+        super().__init__(); self.a, self.fc = nn.Linear(6, 8), nn.Linear(8, 4)
+    def forward(self, x, tau=None, shift=None): return self.fc(torch.tanh(self.a(x)) * tau + shift)
+
+
+@pytest.mark.parametrize('mode', ['dense', 'masked', 'reforward', 'reuse'])
+def test_tensor_constants_that_change_every_step_are_exact_and_reuse_keeps_one_trace(mode):
+    "Before, each new value was a new input structure (keyed by the tensor's values): after 16 steps every mode stopped."
+    def shifted():
+        torch.manual_seed(0)
+        return Shifted().double()
+    model, ref = shifted(), shifted()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                                  # no fallback, no retrace warning
+        for step, (x, y) in enumerate(batches(20)):
+            tau = torch.tensor(1.0 - 0.03 * step, dtype=torch.float64)
+            shift = torch.randn(8, generator=g, dtype=torch.float64)
+            model.zero_grad(); ref.zero_grad()
+            skip.loss(skip(x, tau=tau, shift=shift), y).backward()
+            (F.cross_entropy(ref(x, tau=tau, shift=shift), y, reduction='none') * skip.last.applied).sum().div(len(y)).backward()
+            top, rel = grad_errors(model_grads(model), model_grads(ref))
+            assert top < TOL and rel < TOL, (step, top, rel)
+    traces = [t for call in skip.engine.modules() for t in reuse.cached_traces(call)]
+    assert len(traces) == (1 if mode == 'reuse' else 0) and all(not isinstance(t, str) for t in traces), traces

@@ -73,7 +73,7 @@ class Traced:
     "A captured forward/backward graph pair and how to feed them."
     fw: fx.GraphModule
     bw: fx.GraphModule                 # rewritten: lazy index_select of kept rows, boxed calling convention
-    sources: list                      # per forward input: ('param'|'buffer', name), ('x',), ('sym', expr), ('attr', module, name), ('const', tensor)
+    sources: list                      # per forward input: ('param'|'buffer', name), ('x',), ('sym', expr), ('attr', module, name), ('leaf', i), ('const', tensor)
     batch: Any                         # the batch-size symbol
     n_user: int                        # forward outputs before the saved values (logits, features)
     bw_inputs: list                    # per backward input: ('saved', forward output, layout) | ('rows',) | ('tangent',)
@@ -155,16 +155,19 @@ def _tensor_attributes(model: nn.Module) -> dict:
             if isinstance(v, torch.Tensor) and not name.startswith('_')}
 
 def _sources(model: nn.Module, inputs: list, xc: torch.Tensor) -> list:
-    "What each traced input is at run time: a parameter/buffer name, the input x, a symbolic size, a module's plain tensor attribute (read anew each step: it may be reassigned), or a constant."
+    "What each traced input is at run time: a parameter/buffer name, the input x, a symbolic size, a module's plain tensor attribute (read anew each step: it may be reassigned), a tensor constant of the call (`model.spec.leaves[i]`, as a keyword call's module holds it), or a constant."
     params = {id(p): n for n, p in model.named_parameters()}
     buffers = {id(b): n for n, b in model.named_buffers()}
     attrs = _tensor_attributes(model)
+    leaves = getattr(getattr(model, 'spec', None), 'leaves', None) or []
+    consts = {id(v): i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
     out = []
     for v in inputs:
         if v is xc: out.append(('x',))
         elif isinstance(v, torch.SymInt): out.append(('sym', sym_expr(v)))
         elif isinstance(v, torch.Tensor) and id(v) in params: out.append(('param', params[id(v)]))
         elif isinstance(v, torch.Tensor) and id(v) in buffers: out.append(('buffer', buffers[id(v)]))
+        elif isinstance(v, torch.Tensor) and id(v) in consts: out.append(('leaf', consts[id(v)]))
         elif isinstance(v, torch.Tensor) and id(v) in attrs: out.append(('attr', *attrs[id(v)]))
         else: out.append(('const', v))
     return out
@@ -377,6 +380,7 @@ def _inputs(traced: Traced, model: nn.Module, x: torch.Tensor) -> list:
         elif kind == 'buffer': out.append(buffers[src[1]])
         elif kind == 'sym': out.append(eval_sym(src[1], traced, x.shape[0]))
         elif kind == 'attr': out.append(getattr(model.get_submodule(src[1]), src[2]))
+        elif kind == 'leaf': out.append(model.spec.leaves[src[1]])
         else: out.append(src[1])
     return out
 

@@ -277,9 +277,9 @@ class Engine:
         if spec.key not in self.calls:
             if len(self.calls) >= MAX_CALLS:
                 raise ValueError(f'{MAX_CALLS} different input structures (keywords, dtypes, shapes after the batch, the '
-                                 'values of constant arguments other than floats) were seen; each gets its own traced graph: pad '
-                                 'inputs to a fixed length (e.g. padding="max_length" or pad_to_multiple_of), keep the keywords '
-                                 'the same from batch to batch, and pass a value that changes every step as a float or per row')
+                                 'values of constant arguments other than floats and tensors) were seen; each gets its own traced '
+                                 'graph: pad inputs to a fixed length (e.g. padding="max_length" or pad_to_multiple_of), keep the '
+                                 'keywords the same from batch to batch, and pass a value that changes every step as a float or a tensor')
             call = ModelCall(self.model, spec, self.logits_fn)
             capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
             self.calls[spec.key] = (call, capture, self._executor(call, capture))
