@@ -156,7 +156,7 @@ class Reuse(Executor):
         self.grouped: dict = {}                          # (id(Traced), B) -> (graph gathering once per storage, groups) or None
         self.params: dict = {}                           # (id(Traced), parameter names) -> (Traced, gradient slots), made once
         self.staged: dict = {}                           # (id(graph), names, groups) -> its graph cut in stages
-        self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of; ('state', signature) -> reason
+        self.warned: dict = {}                           # id(Traced) -> Traced whose all-rows backward was warned of; ('state' | 'retrace', signature) -> said
 
     def runnable(self, traced: Traced) -> Traced:
         "`traced` itself, or (compile=True) its compiled twin, made once."
@@ -178,8 +178,7 @@ class Reuse(Executor):
             changed = changed or why
         if changed is not None and len(entries) >= MAX_TRACES:
             return self.state_fallback(key, changed)
-        if changed is not None:
-            log.info('capskip reuse: retracing %s: its trace assumed %s', model_name(self.model), changed)
+        if changed is not None: self.say_retrace(key, changed)
         with cleared_caches(self.model):                 # the probe's forwards fill them again
             self.probe.check(x)                          # eager probe: names the module
         held = stored_tensors(self.model)
@@ -217,6 +216,14 @@ class Reuse(Executor):
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
         entries.append(traced)
         return traced
+
+    def say_retrace(self, key: tuple, changed: str) -> None:
+        "Say that a step is traced anew because the Python state changed: warned on the first retrace of `key` (a trace of a large model takes seconds), logged after."
+        msg = (f'capskip reuse: retracing {model_name(self.model)}: its trace assumed {changed}, false now; each new value '
+               f'of such state costs a trace (up to {MAX_TRACES} per input signature, then mode="{self.fallback.mode}")')
+        if ('retrace', key) in self.warned: log.info(msg); return
+        self.warned[('retrace', key)] = True
+        log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def state_fallback(self, key: tuple, changed: str) -> str:
         "The fallback's reason for a state none of the `MAX_TRACES` traces of `key` assumed (warned once per signature)."
