@@ -110,8 +110,9 @@ def _prepare(logits, labels, features, bias, ignore_index, denominator):
     scale = 1.0 / n.to(torch.float64).clamp_min(1.0)      # 1/N over the batch's labelled tokens (at least 1)
     return z, yc, lse, off, h, scale, dt
 
-def residual_chunks(z: Tensor, yc: Tensor, lse: Tensor, off: Tensor, dt: torch.dtype, chunk: int = VOCAB_CHUNK):
-    "Yield (v0, r[:, v0:v1]) with r_t = softmax(z_t) − e_{y_t} for flat [T, V] logits; the label entry is −Σ_{v≠y} p_v (`off`)."
+def residual_chunks(z: Tensor, yc: Tensor, lse: Tensor, off: Tensor, dt: torch.dtype, chunk: int = VOCAB_CHUNK,
+                    cap: float | None = None):
+    "Yield (v0, r[:, v0:v1]) with r_t = softmax(z_t) − e_{y_t} for flat [T, V] logits; the label entry is −Σ_{v≠y} p_v (`off`); `cap` b: times 1 − (z/b)² (soft-capped logits, `capskip.engine.head.LogitMap`)."
     V, floor = z.shape[1], exp_floor(dt)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
@@ -119,17 +120,20 @@ def residual_chunks(z: Tensor, yc: Tensor, lse: Tensor, off: Tensor, dt: torch.d
         inside = (yc >= v0) & (yc < v1)
         local = (yc - v0).clamp(0, v1 - v0 - 1)[:, None]
         R.scatter_(1, local, torch.where(inside, -off, R.gather(1, local).squeeze(1))[:, None])
+        if cap is not None:                               # ∂z/∂u ∝ 1 − (z/b)² for z = b·tanh(a·u)
+            f = z[:, v0:v1].to(dt).div(cap)
+            R.mul_(f.mul_(f).neg_().add_(1.0))
         yield v0, R
 
 # %% ../nbs/00d_sequence.ipynb #581b8b30
 def token_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, ignore_index: int = IGNORE_INDEX,
-               denominator=None, chunk: int = VOCAB_CHUNK, *, check_values: bool | None = None) -> Tensor:
+               denominator=None, chunk: int = VOCAB_CHUNK, *, check_values: bool | None = None, cap: float | None = None) -> Tensor:
     "(a) K_ij = (1/N²) Σ_{t∈i, s∈j} ⟨r_t, r_s⟩⟨h̃_t, h̃_s⟩ from the token Gram; cost (B·L)²·(V + d̃); float64 [B, B]."
     check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
     B, L, _ = logits.shape
     z, yc, lse, off, h, scale, dt = _prepare(logits, labels, features, bias, ignore_index, denominator)
     rr = torch.zeros(B * L, B * L, dtype=dt, device=z.device)
-    for _, R in residual_chunks(z, yc, lse, off, dt, chunk): rr.addmm_(R, R.T)   # ⟨r_t, r_s⟩, chunk by chunk
+    for _, R in residual_chunks(z, yc, lse, off, dt, chunk, cap): rr.addmm_(R, R.T)   # ⟨r_t, r_s⟩, chunk by chunk
     acc = gram_dtype(z.device)
     K = rr.mul_(h @ h.T).to(acc).view(B, L, B, L).sum((1, 3))           # ⟨r_t, r_s⟩⟨h̃_t, h̃_s⟩ summed per row pair
     return K * (scale * scale).to(acc)
@@ -145,7 +149,7 @@ def _block_chunk(B: int, dt: int, chunk: int) -> int:
 
 def block_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, ignore_index: int = IGNORE_INDEX,
                denominator=None, chunk: int = VOCAB_CHUNK, return_grad: bool = False, *, check_values: bool | None = None,
-               grad_weights: Tensor | None = None):
+               grad_weights: Tensor | None = None, cap: float | None = None):
     "(b) K from per-row blocks G_i = H̃_iᵀR_i/N, one vocabulary chunk at a time; cost B·L·V·d̃ + B²·V·d̃; float64 [B, B] (and Σ_i w_i G_i, w = `grad_weights` or 1)."
     check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
     B, L, V = logits.shape
@@ -155,7 +159,7 @@ def block_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = Tr
     hb = h.view(B, L, -1)
     grad = torch.empty(V, h.shape[1], dtype=dt, device=z.device) if return_grad else None
     gw = None if grad_weights is None else grad_weights.detach().to(z.device, dt)
-    for v0, R in residual_chunks(z, yc, lse, off, dt, _block_chunk(B, h.shape[1], chunk)):
+    for v0, R in residual_chunks(z, yc, lse, off, dt, _block_chunk(B, h.shape[1], chunk), cap):
         G = torch.bmm(R.view(B, L, -1).transpose(1, 2), hb)     # [B, V_c, d̃]: this chunk of every row's block
         Gf = G.reshape(B, -1)
         K += (Gf @ Gf.T).to(acc)
@@ -164,8 +168,9 @@ def block_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = Tr
     return (K, grad.mul_(scale.to(dt))) if return_grad else K
 
 # %% ../nbs/00d_sequence.ipynb #c5d6224d
-def row_grads_reference(logits, labels, features, bias: bool = True, ignore_index: int = IGNORE_INDEX, denominator=None) -> Tensor:
-    "The oracle: every G_i = (1/N) Σ_t r_{i,t} h̃_{i,t}ᵀ materialised in float64 on the CPU ([B, V, d̃]; tiny shapes only)."
+def row_grads_reference(logits, labels, features, bias: bool = True, ignore_index: int = IGNORE_INDEX, denominator=None,
+                        cap: float | None = None) -> Tensor:
+    "The oracle: every G_i = (1/N) Σ_t r_{i,t} h̃_{i,t}ᵀ materialised in float64 on the CPU ([B, V, d̃]; tiny shapes only); `cap` b: r ⊙ (1 − (z/b)²)."
     z, y, h = logits.detach().double().cpu(), labels.cpu(), features.detach().double().cpu()
     B, L, V = z.shape
     if bias: h = torch.cat([h, torch.ones(B, L, 1, dtype=torch.float64)], -1)
@@ -176,6 +181,7 @@ def row_grads_reference(logits, labels, features, bias: bool = True, ignore_inde
         for t in range(L):
             if mask[i, t]:
                 r = torch.softmax(z[i, t], 0) - torch.nn.functional.one_hot(y[i, t], V).double()
+                if cap is not None: r = r * (1 - (z[i, t] / cap) ** 2)
                 G[i] += torch.outer(r, h[i, t])
     return G / N
 
@@ -221,13 +227,13 @@ def pick_method(B: int, L: int, V: int, d: int, bias: bool = True) -> str:
 
 def sequence_gram(logits: Tensor, labels: Tensor, features: Tensor, bias: bool = True, method: str = 'auto',
                   ignore_index: int = IGNORE_INDEX, denominator=None, chunk: int = VOCAB_CHUNK, *,
-                  check_values: bool | None = None) -> Tensor:
-    "K_ij = ⟨G_i, G_j⟩_F by `method`: 'token', 'block', or 'auto' (the cheaper by `gram_costs`)."
+                  check_values: bool | None = None, cap: float | None = None) -> Tensor:
+    "K_ij = ⟨G_i, G_j⟩_F by `method`: 'token', 'block', or 'auto' (the cheaper by `gram_costs`); `cap`: soft-capped logits (`residual_chunks`)."
     if method not in ('auto', *GRAM_METHODS): raise ValueError(f"method must be 'auto', 'token' or 'block', got {method!r}")
     if method == 'auto':
         check_sequence_inputs(logits, labels, features, None, ignore_index, check_values)
         method = pick_method(*logits.shape, features.shape[-1], bias)
-    return GRAM_METHODS[method](logits, labels, features, bias, ignore_index, denominator, chunk, check_values=check_values)
+    return GRAM_METHODS[method](logits, labels, features, bias, ignore_index, denominator, chunk, check_values=check_values, cap=cap)
 
 # %% ../nbs/00d_sequence.ipynb #9a7cad13
 def gram_in_order(Kw: Tensor):
@@ -330,14 +336,16 @@ def select_sequences(logits: Tensor,    # [B, L, V] logits, aligned with `labels
                      ignore_index: int = IGNORE_INDEX, denominator=None, chunk: int = VOCAB_CHUNK,
                      *, check_values: bool | None = None,
                      return_grad: bool = False,          # also return Σ_{i kept} a_i G_i, the head's gradient (`kept_grad`)
-                     grad_weights: Tensor | None = None  # the a_i of that sum (default 1): the loss's row weights
+                     grad_weights: Tensor | None = None, # the a_i of that sum (default 1): the loss's row weights
+                     cap: float | None = None            # soft-capped logits z = b·tanh(a·u): b (`residual_chunks`)
                      ) -> Selection | tuple[Selection, Tensor]:
     "CAPSkip over sequences: drop the longest candidate prefix (by w‖G_i‖) whose summed row gradient is at most b‖G‖."
     check_sequence_inputs(logits, labels, features, weights, ignore_index, check_values)
     cand = sequence_candidates(logits, labels, candidates, ignore_index) if isinstance(candidates, str) else candidates
     if not return_grad:
-        K = sequence_gram(logits, labels, features, bias, method, ignore_index, denominator, chunk, check_values=False)  # checked above
+        K = sequence_gram(logits, labels, features, bias, method, ignore_index, denominator, chunk, check_values=False, cap=cap)  # checked above
         return select_from_gram(K, cand, budget, weights, eps)
+    if cap is not None: raise ValueError("return_grad=True gives the head's gradient of raw logits; soft-capped ones (cap=) need return_grad=False")
     if method == 'auto': method = pick_method(*logits.shape, features.shape[-1], bias)
     if method not in GRAM_METHODS: raise ValueError(f"method must be 'auto', 'token' or 'block', got {method!r}")
     total = None

@@ -244,13 +244,17 @@ def select_sequences_with(gram: str, logits: Tensor, labels: Tensor, features: T
                           candidates: str | Tensor = DEFAULT_CANDIDATES, weights: Tensor | None = None, bias: bool = True,
                           eps: float = SELECTOR_EPS, ignore_index: int = IGNORE_INDEX, denominator=None,
                           *, check_values: bool | None = None, return_grad: bool = False, grad_weights: Tensor | None = None,
-                          split: TopSplit | None = None):
-    "The sequence rule with the Gram named by `gram` (`parse_gram`): `select_sequences` or `select_sequences_topk` (`split`: `token_split`'s, top-k only)."
+                          split: TopSplit | None = None, cap: float | None = None):
+    "The sequence rule with the Gram named by `gram` (`parse_gram`): `select_sequences` or `select_sequences_topk` (`split`: `token_split`'s, top-k only; `cap`: soft-capped logits, exact Grams only)."
     method, k = parse_gram(gram)
+    if method == 'topk' and cap is not None:
+        raise ValueError(f"gram={gram!r} bounds the residuals of raw logits; soft-capped logits (Gemma 2's final_logit_softcapping, "
+                         "cap=) need an exact Gram: gram='auto'")
     if method == 'topk':
         return select_sequences_topk(logits, labels, features, budget, candidates, weights, bias, eps, k, ignore_index,
                                      denominator, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights,
                                      split=split)
     if split is not None: raise ValueError(f"split is the top-k Gram's softmax pass: pass it with gram='topk', not {gram!r}")
     return select_sequences(logits, labels, features, budget, candidates, weights, bias, eps, method, ignore_index,
-                            denominator, VOCAB_CHUNK, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights)
+                            denominator, VOCAB_CHUNK, check_values=check_values, return_grad=return_grad, grad_weights=grad_weights,
+                            cap=cap)

@@ -23,8 +23,8 @@ from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, de
 from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
 from .sequence_bounds import parse_gram
-from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, record,
-                           run_step, sequence_loss, shifted_labels, step_loss)
+from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, head_map,
+                           record, run_step, sequence_loss, shifted_labels, step_loss)
 
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FORWARD_TAG', 'SkipOptions', 'skip_options',
@@ -114,15 +114,15 @@ def marked_through(t: Tensor, mark: Mark) -> bool:
 
 @dataclass
 class Made:
-    "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels."
-    logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size
+    "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels, the soft cap of its logits (`LogitMap.cap`)."
+    logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
 
     @classmethod
-    def of(cls, logits: Tensor, features: Tensor, labels) -> Made:
+    def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None) -> Made:
         mark = None
         if logits.grad_fn is not None:
             mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
-        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape)
+        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap)
 
     def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
 
@@ -184,7 +184,8 @@ class CAPSkip:
     def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
         fwd = self.engine.forward(*args, **kwargs)
-        self._recent = [r for r in self._recent[-7:] if r.alive()] + [Made.of(fwd.logits, fwd.features, labels)]
+        made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap)
+        self._recent = [r for r in self._recent[-7:] if r.alive()] + [made]
         return fwd
 
     def __call__(self, *args, **kwargs) -> Tensor:
@@ -192,11 +193,11 @@ class CAPSkip:
         return self._forward(*args, **kwargs).logits
 
     def _forward_of(self, logits: Tensor) -> tuple:
-        "(features, the batch's labels, whether `logits` are the forward's whole logits) of the forward that made `logits`."
+        "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
         for made in reversed(self._recent):
-            if made.whole(logits): return made.features, made.labels, True
+            if made.whole(logits): return made.features, made.labels, True, made.cap
             sliced = aligned_features(logits, made.features, made.whole)   # a slice of its rows or positions, e.g. logits[:, :-1]
-            if sliced is not None: return sliced, None, False
+            if sliced is not None: return sliced, None, False, made.cap
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 
     def features_of(self, logits: Tensor) -> Tensor:
@@ -206,7 +207,7 @@ class CAPSkip:
     def loss(self, logits: Tensor, y: Tensor | None = None, weights: Tensor | None = None,
              denominator: float | None = None, shift_labels: bool | None = None) -> Tensor:
         "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself. Logits [B, L, V]: `sequence_loss` (`shift_labels` None: shift the batch's labels, not an explicit `y`)."
-        feats, y = self._labels(logits, y, shift_labels)
+        feats, y, cap = self._labels(logits, y, shift_labels)
         o = self.options
         if logits.ndim == 3:                             # sequence rows (a causal LM): section "Sequence rows" below
             if o.reweight is not None or o.label_smoothing:
@@ -215,17 +216,17 @@ class CAPSkip:
             loss, stats = sequence_loss(logits, feats, y, weights, budget=o.budget, weighted=o.weighted,
                                         exclude_upweighted=o.exclude_upweighted, bias=self.engine.head.bias is not None,
                                         denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index,
-                                        candidates=o.candidates, gram=o.gram)
+                                        candidates=o.candidates, gram=o.gram, softcap=cap)
         else:
             loss, stats = step_loss(self.engine, logits, feats, y, weights, self.decide, o.label_smoothing,
-                                    denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index)
+                                    denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index, cap=cap)
         record(self.stats, stats)
         self.last = stats
         return loss
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
-        "The head's input of `logits`' forward, and the labels: `y`, or the batch's (a causal LM's shifted as its own loss shifts them; `shift_labels` overrides)."
-        feats, labels, whole = self._forward_of(logits)
+        "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) and the logits' soft cap."
+        feats, labels, whole, cap = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels
         if y is None and not whole:
@@ -235,7 +236,7 @@ class CAPSkip:
             raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
                              f'labels in the batch under {self.label_key!r} (label_key=)')
         if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
-        return feats, y
+        return feats, y, cap
 
     def step(self, x, y: Tensor | None = None, weights: Tensor | None = None, shift_labels: bool | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`); `kept` an int. Sequence rows (labels [B, L], or the labels of a batch dict `x`): the gradient of `self.loss(self(x), y)`, built for the kept rows only (`Engine.loss_backward`)."

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, target_classes
 from .engine import Engine
 from .engine.facade import sequence_grad_logits
+from .engine.head import LogitMap
 from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, probe_leaf
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, floor_softmax, sequence_candidates,
@@ -24,9 +25,9 @@ from .sequence_bounds import parse_gram, select_sequences_with, token_split
 
 # %% auto #0
 __all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
-           'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss',
-           'device_generator', 'shifted_labels', 'token_losses', 'ce_grad_graph', 'SequenceCE', 'sequence_loss',
-           'sequence_step', 'check_step_inputs']
+           'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator',
+           'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses', 'ce_grad_graph', 'SequenceCE',
+           'sequence_loss', 'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -93,6 +94,17 @@ def realised_distortion(res: Tensor, feats: Tensor, weights: Tensor, received: T
     total, diff = norm(weights), norm(weights - received)
     return torch.where(total > 0, diff / total.clamp_min(torch.finfo(total.dtype).tiny), diff)
 
+def check_unscaled_head(engine: Engine, what: str, fix: str) -> None:
+    "Refuse `what`, a path that writes the head's gradient itself, when the model scales or soft-caps its head's output (`HeadCapture.logit_map`): that gradient would miss the factor."
+    ops = head_map(engine).ops
+    if ops:
+        raise ValueError(f"{what} writes the head's gradient itself, but {type(engine.model).__name__} scales or soft-caps its "
+                         f"head's output ({', '.join(ops)} after the head), which that gradient would miss: {fix}")
+
+def head_map(engine: Engine) -> LogitMap:
+    "How the engine's last forward made its logits from the head's output (`capskip.engine.head.LogitMap`; unchanged for an engine without a capture)."
+    return getattr(getattr(engine, 'last_capture', None), 'logit_map', LogitMap())
+
 def lastfix_grad(head: nn.Module, res: Tensor, feats: Tensor, dropped_weights: Tensor, denominator: float) -> Tensor:
     "det_lastfix inside autograd: a zero scalar whose backward adds D/den = Σ_i dropped_i r_i h̃_iᵀ / den to the head's parameters."
     has_bias = getattr(head, 'bias', None) is not None
@@ -107,8 +119,8 @@ def at_least_float32(t: Tensor) -> Tensor:
 
 def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
            label_smoothing: float = 0.0, bias: bool | None = None, temperature: float = 1.0,
-           ignore_index: int = IGNORE_INDEX) -> tuple:
-    "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y, rows counted), on the device."
+           ignore_index: int = IGNORE_INDEX, cap: float | None = None) -> tuple:
+    "The rule's decision on one forward: (Decision, residuals, per-row losses, distortion, correct count, y, rows counted), on the device; `cap` b: the logits are soft-capped (b·tanh(a·u)), and the rule sees each residual times 1 − (z/b)², the gradient at the head's output up to one number."
     B = logits.shape[0]
     logits = at_least_float32(logits.detach()) / temperature        # half/bf16 logits up to float32; float64 stays
     y = y.to(logits.device)
@@ -124,9 +136,10 @@ def decide(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights:
         d, distortion = Decision(w, torch.zeros(B, dtype=torch.bool, device=w.device)), w.new_zeros(())
     else:
         feats = at_least_float32(features.detach())
-        d = rule(logits, y, res, feats, w, losses)
+        at_head = res if cap is None else res * (1 - (logits * (temperature / cap)) ** 2)   # ∂z/∂u of z = b·tanh(a·u), up to a·b
+        d = rule(logits, y, at_head, feats, w, losses)
         received = d.applied if d.last_layer is None else d.last_layer
-        distortion = realised_distortion(res, feats, w, received, engine.head.bias is not None if bias is None else bias)
+        distortion = realised_distortion(at_head, feats, w, received, engine.head.bias is not None if bias is None else bias)
     hit = logits.argmax(1) == target_classes(y)
     if ignored is not None: hit, losses = hit & ~ignored, torch.where(ignored, 0.0, losses)   # ignored rows count nowhere
     return d, res, losses, distortion, hit.sum(), y, counted
@@ -143,10 +156,11 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
     B = check_step_inputs(x, y, weights, denominator)
     fwd = engine.forward(x)
     d, res, losses, distortion, correct, y, counted = decide(engine, fwd.logits, fwd.features, y, weights, rule,
-                                                             label_smoothing, bias, temperature, ignore_index)
+                                                             label_smoothing, bias, temperature, ignore_index, head_map(engine).cap)
     den = loss_denominator(B, counted, denominator) * temperature    # d/dz of CE(z / T) is (softmax(z / T) − y) / T
     extra = ()
     if d.lastfix is not None:
+        check_unscaled_head(engine, "reweight='det_lastfix'", "pass reweight='det_scale' or None, or return the head's output from forward() and set CAPSkip(temperature=...)")
         fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
         extra = ((fix, torch.ones_like(fix)),)
     kept = engine.backward(fwd, res * (d.applied.to(res.dtype) / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
@@ -154,15 +168,17 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
 
 def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weights: Tensor | None, rule: Rule | None,
               label_smoothing: float = 0.0, bias: bool | None = None, denominator: float | None = None,
-              temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, StepStats]:
-    "The selected objective (1/den) Σ applied_i ℓ_i on `logits` as a loss to back-propagate, and the step's statistics (`kept` a 0-d tensor)."
+              temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, cap: float | None = None) -> tuple[Tensor, StepStats]:
+    "The selected objective (1/den) Σ applied_i ℓ_i on `logits` as a loss to back-propagate, and the step's statistics (`kept` a 0-d tensor); `cap`: `decide`'s."
     B = check_step_inputs(logits, y, weights, denominator)
     d, res, losses, distortion, correct, y, counted = decide(engine, logits, features, y, weights, rule, label_smoothing,
-                                                             bias, temperature, ignore_index)
+                                                             bias, temperature, ignore_index, cap)
     den = loss_denominator(B, counted, denominator)
     per_row = F.cross_entropy(at_least_float32(logits) / temperature, y, reduction='none', label_smoothing=label_smoothing)
     loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
-    if d.lastfix is not None: loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
+    if d.lastfix is not None:
+        check_unscaled_head(engine, "reweight='det_lastfix'", "pass reweight='det_scale' or None, or return the head's output from forward() and set CAPSkip(temperature=...)")
+        loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
     return loss, StepStats((d.applied > 0).sum(), B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
 
 
@@ -233,8 +249,9 @@ class SequenceCE(torch.autograd.Function):
 def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Tensor | None = None, *,
                   budget: float = DEFAULT_BUDGET, weighted: bool = True, exclude_upweighted: bool = False,
                   bias: bool = True, denominator=None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
-                  candidates: str = DEFAULT_CANDIDATES, head_grad: bool = False, gram: str = 'auto') -> tuple:
-    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics; `gram`: the row Gram (`parse_gram`: exact 'auto'/'token'/'block', or certified 'topk[:K]' bounds); `head_grad`: also that loss's gradient for the head's [W | c] ([V, d̃], from the selector's block pass)."
+                  candidates: str = DEFAULT_CANDIDATES, head_grad: bool = False, gram: str = 'auto',
+                  softcap: float | None = None) -> tuple:
+    "CAPSkip over sequence rows: select on the device (`capskip.sequence`), return (1/N) Σ_i applied_i Σ_t CE(z_it, y_it) (N: the batch's labelled tokens, or `denominator`) and the step's statistics; `gram`: the row Gram (`parse_gram`: exact 'auto'/'token'/'block', or certified 'topk[:K]' bounds); `head_grad`: also that loss's gradient for the head's [W | c] ([V, d̃], from the selector's block pass); `softcap` b: the model's logits are b·tanh(a·u) of its head's output u (`capskip.engine.head.LogitMap.cap`)."
     B, L, V = logits.shape
     if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be token ids [B, L] = [{B}, {L}] aligned with the logits [B, L, V] ({ignore_index} = '
@@ -259,7 +276,7 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     if exclude_upweighted: cand = cand & (w <= 1)
     sel = select_sequences_with(gram, z.detach(), y, features, budget, cand, w if weighted else None, bias,
                            SELECTOR_EPS if budget > 0 else 0.0, ignore_index=ignore_index, denominator=den, check_values=None if topk else False,
-                           return_grad=head_grad, grad_weights=w, split=split)
+                           return_grad=head_grad, grad_weights=w, split=split, cap=None if softcap is None else softcap / temperature)
     sel, g = sel if head_grad else (sel, None)          # g = Σ_{i kept} w_i G_i; d/dlogits carries 1/temperature
     applied = torch.where(sel.drop, torch.zeros_like(w), w)
     graph = z.requires_grad and torch.is_grad_enabled()           # the user's graph: back-propagated through autograd
@@ -305,7 +322,9 @@ def sequence_step(engine: Engine, x, labels: Tensor, weights: Tensor | None = No
     try: fwd = engine.forward(x)
     finally:
         for hd in handles: hd.remove()
+    if lever: check_unscaled_head(engine, 'head_grad=True', 'pass head_grad=False')
     loss_options.setdefault('bias', head.bias is not None)
+    loss_options.setdefault('softcap', head_map(engine).cap)
     out = sequence_loss(fwd.logits, fwd.features, labels, weights, head_grad=lever, **loss_options)
     loss, stats = out[:2]
     if not lever:

@@ -27,6 +27,11 @@ class Temperature(nn.Module):
     def forward(self, z): return z / 2.0
 
 
+class ClassScale(nn.Module):
+    "A scale per class: the head's gradient is no longer one number times the selector's (tests/test_scaled_heads.py has the accepted scalar)."
+    def forward(self, z): return z * torch.linspace(0.5, 2.0, z.shape[-1])
+
+
 def data(B=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, 8, generator=g), torch.randint(0, 5, (B,), generator=g)
@@ -52,7 +57,7 @@ def test_the_head_is_found_from_the_forward(mode):
 
 
 @pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('after, follows', [(nn.Softmax(dim=1), '`after` (Softmax)'), (Temperature(), '`after` (Temperature)')])
+@pytest.mark.parametrize('after, follows', [(nn.Softmax(dim=1), '`after` (Softmax)'), (ClassScale(), '`after` (ClassScale)')])
 def test_anything_after_the_head_is_refused(mode, after, follows):
     torch.manual_seed(0)
     x, _ = data()

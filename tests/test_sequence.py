@@ -195,7 +195,7 @@ def test_block_pass_chunk_width_is_capped_and_exact(monkeypatch):
     G = row_grads_reference(z, y, h, True)
     calls = []
     orig = seq.residual_chunks
-    monkeypatch.setattr(seq, 'residual_chunks', lambda *a: calls.append(a[-1]) or orig(*a))
+    monkeypatch.setattr(seq, 'residual_chunks', lambda *a: calls.append(a[5]) or orig(*a))   # (z, yc, lse, off, dt, chunk, cap)
     monkeypatch.setattr(seq, '_BLOCK_ELEMENTS', 5 * 5 * 64)   # B·d̃ = 25 → 64 columns: three chunks, the last of 22
     K, grad = block_gram(z, y, h, True, return_grad=True)
     assert calls == [64]                                        # the narrower chunk was used, not VOCAB_CHUNK

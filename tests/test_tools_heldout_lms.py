@@ -1,5 +1,6 @@
 """`tools/heldout_lms.py` (the held-out causal-LM probe): it runs as documented and reports exact gradients for a model the
-tests do not build (OPT, left-padded, a 3-token prompt masked), and a model capskip refuses gets its one-line refusal."""
+tests do not build (OPT, and Cohere, whose logits are its head's output times `logit_scale`; left-padded, a 3-token prompt
+masked), and a model capskip refuses (Mixtral's experts mix rows, in reuse and reforward) gets its one-line refusal."""
 import re
 import subprocess
 import sys
@@ -15,14 +16,15 @@ def run(*args):
 
 
 def test_a_held_out_lm_is_exact_in_every_mode_and_a_refusal_is_reported():
-    rows = run('opt', 'cohere', '--pad', 'left', '--prompt', '3')
-    exact = [l for l in rows if l.startswith('opt')]
-    assert [l.split()[1] for l in exact] == ['reuse', 'reforward', 'masked']
+    rows = run('opt', 'cohere', 'mixtral', '--pad', 'left', '--prompt', '3')
+    exact = [l for l in rows if l.startswith(('opt', 'cohere'))]
+    assert [l.split()[1] for l in exact] == ['reuse', 'reforward', 'masked'] * 2
     for line in exact:
         worst, overall = map(float, re.search(r'worst (\S+), global (\S+)', line).groups())
         assert worst < 1e-5 and overall < 1e-5, line
-    refused = [l for l in rows if l.startswith('cohere')]
-    assert len(refused) == 3 and all('refused: HeadError' in l for l in refused), refused
+    refused = [l for l in rows if l.startswith('mixtral')]
+    assert [l.split()[1] for l in refused] == ['reuse', 'reforward', 'masked']
+    assert all('refused: RowDependenceError' in l and 'experts' in l for l in refused[:2]), refused
 
 
 def test_an_unknown_model_is_named():

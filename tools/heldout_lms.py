@@ -4,20 +4,20 @@ maintainers' probe).
 Usage: python tools/heldout_lms.py [NAME ...]   (default: every name in ARCHS)
 
 Each model is a two-block Hugging Face model built from its config (hidden 32, vocab 64; no weights are downloaded). One
-batch of 6 right-padded rows of 8 tokens (Hugging Face labels, -100 on padding; `--pad left` pads on the left, `--prompt
-N` also masks the first N labels as an SFT prompt) goes through `CAPSkip(model, budget=0.5, mode=M)`:
+batch of 6 right-padded rows of 8 tokens (Hugging Face labels, -100 on padding; `--pad left` pads on the left, `--pad
+none` keeps every token, `--prompt N` also masks the first N labels as an SFT prompt) goes through `CAPSkip(model, budget=0.5, mode=M)`:
 `skip.loss(skip(**batch)).backward()`. Printed per model and mode: the rows kept and the zero-gradient-safe errors
 (`capskip.testing.grad_errors`: worst parameter, global) against `capskip.testing.oracles.sequence_grads`, plain autograd
 of the kept rows' loss on a float64 copy; or, for a model capskip refuses, the first line of its refusal. The float64
 reference needs every op in float64: a mixture-of-experts model's grouped matrix product has none, so its masked row
-says so.
+says so, as does a model whose own float64 gradient is not finite (Gemma 2 on padded rows: use `--pad none`).
 """
 import argparse, sys, warnings
 
 import torch
 
 ARCHS = ('gemma', 'gemma2', 'gemma3', 'mistral', 'phi', 'phi3', 'qwen3', 'olmo2', 'gptneox', 'falcon', 'stablelm',
-         'bloom', 'opt', 'cohere', 'mixtral', 'qwen2moe')
+         'bloom', 'opt', 'cohere', 'granite', 'mixtral', 'qwen2moe')
 B, L, VOCAB = 6, 8, 64
 LENGTHS = torch.tensor([8, 6, 8, 3, 8, 5])
 
@@ -51,6 +51,8 @@ def build(name: str):
                                                       word_embed_proj_dim=32, dropout=0.0, bos_token_id=0,
                                                       eos_token_id=0, pad_token_id=1)),
         'cohere': lambda: tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.0625)),
+        'granite': lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=4.0, embedding_multiplier=2.0,
+                                                                   residual_multiplier=0.5, attention_multiplier=0.25)),
         'mixtral': lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
         'qwen2moe': lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                                      moe_intermediate_size=16,
@@ -64,6 +66,7 @@ def batch(pad: str, prompt: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, VOCAB, (B, L), generator=g)
     mask = (torch.arange(L)[None] < LENGTHS[:, None]).long()
+    if pad == 'none': mask = torch.ones_like(mask)
     if pad == 'left': mask = mask.flip(1)
     labels = torch.where(mask.bool(), ids, -100)
     labels[:, :prompt] = -100
@@ -91,13 +94,15 @@ def probe(name: str, mode: str, pad: str, prompt: int) -> str:
     try: ref = sequence_grads(build(name), inputs, aligned, applied)
     except Exception as err:
         return f'kept {int((applied > 0).sum())}; no float64 reference: {type(err).__name__}: {str(err).splitlines()[0][:90]}'
+    if not all(torch.isfinite(g).all() for g in ref.values()):
+        return f'kept {int((applied > 0).sum())}; no float64 reference: the float64 model\'s own gradient is not finite'
     top, rel = grad_errors(got, ref)
     return f'kept {int((applied > 0).sum())}, worst {top:.1e}, global {rel:.1e}'
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('names', nargs='*'); ap.add_argument('--pad', choices=('right', 'left'), default='right')
+    ap.add_argument('names', nargs='*'); ap.add_argument('--pad', choices=('right', 'left', 'none'), default='right')
     ap.add_argument('--prompt', type=int, default=0)
     ns = ap.parse_args()
     unknown = [n for n in ns.names if n not in ARCHS]
@@ -106,7 +111,7 @@ def main() -> int:
     import transformers
     transformers.logging.set_verbosity_error()
     print(f'torch {torch.__version__}, transformers {transformers.__version__}; B={B}, L={L}, V={VOCAB}, budget 0.5, '
-          f'{ns.pad}-padded, prompt {ns.prompt}; errors against float64 autograd of the kept rows', flush=True)
+          f'{"not padded" if ns.pad == "none" else ns.pad + "-padded"}, prompt {ns.prompt}; errors against float64 autograd of the kept rows', flush=True)
     for name in ns.names or ARCHS:
         for mode in ('reuse', 'reforward', 'masked'):
             print(f'{name:9s} {mode:9s} {probe(name, mode, ns.pad, ns.prompt)}', flush=True)

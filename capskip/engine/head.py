@@ -10,6 +10,7 @@ import contextvars
 import re
 import weakref
 from collections import deque
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -17,9 +18,9 @@ import torch.nn as nn
 from .types import buffers_restored
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError', 'pass_chain',
-           'passes_through', 'gathered_through', 'carry', 'split_carried', 'ops_between', 'head_call', 'locate_head',
-           'HeadCapture']
+__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'SCALE_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError',
+           'pass_chain', 'passes_through', 'gathered_through', 'carry', 'split_carried', 'ops_between', 'scalar_factor',
+           'map_chain', 'LogitMap', 'logit_map', 'head_call', 'locate_head', 'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
 _BUILDER = contextvars.ContextVar('capskip_builder', default='Engine')
@@ -118,6 +119,52 @@ def ops_between(out: torch.Tensor, head_out: torch.Tensor) -> list | None:
 def _op_name(node) -> str:
     return re.sub(r'Backward\d*$', '', node.name()).lower()
 
+# %% ../../nbs/01b_head.ipynb #8c7bc3a2
+SCALE_OPS = {'MulBackward0', 'DivBackward0'}
+
+def scalar_factor(node) -> bool:
+    "Whether autograd `node` multiplies or divides its one differentiable input by one number that takes no gradient (`u * s`, `s * u`, `u / s`; `s` a Python number or a one-element tensor)."
+    if node is None or node.name() not in SCALE_OPS: return False
+    live = [f is not None for f, _ in node.next_functions]
+    if sum(live) != 1 or (node.name() == 'DivBackward0' and not live[0]): return False   # s / u is not a scale
+    try: s = node._saved_other if live[0] else node._saved_self
+    except RuntimeError: return False                    # saved values already freed by a backward
+    return isinstance(s, torch.Tensor) and s.numel() == 1
+
+def _factor(node) -> float:
+    "The number a `scalar_factor` node multiplies by (1/s for a division by s)."
+    s = float(node._saved_other if node.next_functions[0][0] is not None else node._saved_self)
+    return 1.0 / s if node.name() == 'DivBackward0' else s
+
+def map_chain(node):
+    "`pass_chain` that also steps over `scalar_factor` nodes and one tanh: the nodes from `node` back while each moves, casts, scales or (once) soft-caps its one input."
+    tanhs = 0
+    while node is not None:
+        yield node
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        tanhs += node.name() == 'TanhBackward0'
+        if len(nxt) != 1 or tanhs > 1 or not (node.name() in PASS_THROUGH or node.name() == 'TanhBackward0'
+                                              or scalar_factor(node)): return
+        node = nxt[0]
+
+class LogitMap(NamedTuple):
+    "What lies between the head's output u and the logits z: `ops` (op names in model order; () when z is u) and `cap`, the factor b after a tanh (z = b·tanh(a·u), a soft cap), None without one."
+    ops: tuple = ()
+    cap: float | None = None
+
+def logit_map(out: torch.Tensor, head_out: torch.Tensor) -> LogitMap | None:
+    "How `out` is made from `head_out`: unchanged, times one number, or soft-capped (`LogitMap`); None if any other op lies between."
+    if passes_through(out, head_out): return LogitMap()
+    if out.shape != head_out.shape or out.grad_fn is None or head_out.grad_fn is None: return None
+    ops, after, tanh = [], 1.0, False                    # walking back: the factors met before the tanh follow it in the model
+    for n in map_chain(out.grad_fn):
+        if n is head_out.grad_fn: return LogitMap(tuple(reversed(ops)), after if tanh else None) if after else None
+        if n.name() == 'TanhBackward0': ops.append('tanh'); tanh = True
+        elif scalar_factor(n):
+            ops.append(_op_name(n))
+            if not tanh: after *= _factor(n)
+    return None
+
 # %% ../../nbs/01b_head.ipynb #a66fc8a9
 def _describe(module: nn.Module, names: dict) -> str:
     return f'`{names.get(module) or "model"}` ({type(module).__name__})'
@@ -183,8 +230,8 @@ def _check_gathered(model, xin, m, k, out, head_out, feats, devices, names) -> N
                         'gathered features instead (head(h[torch.arange(B), idx])), or pass head=<the affine module whose '
                         'output the model returns>')
 
-def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple[nn.Module, int, int, bool]:
-    "The head on `x` (as `locate_head`), which of its calls in the forward made the model's output (0-based), how many calls it had, and whether the output is its output gathered."
+def head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> tuple[nn.Module, int, int, bool, LogitMap]:
+    "The head on `x` (as `locate_head`), which of its calls in the forward made the model's output (0-based), how many calls it had, whether the output is its output gathered, and what maps its output to the logits (`logit_map`)."
     pauses = [_CARRIERS[m] for m in model.modules() if m in _CARRIERS]
     for shared in pauses: shared.paused += 1             # captures hooked on the model store, never carry, meanwhile
     try: return _head_call(model, x, head)
@@ -218,15 +265,15 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
     if not cands:
         raise HeadError(f'the head {_describe(head, names)} was not called in the forward' if head is not None else
                         f'no nn.Linear ran in the forward of {type(model).__name__}: pass head=<the final affine module>')
-    found = [(m, i, k) for m, i, o, k in cands if passes_through(out, o)]
+    found = [(m, i, k, s) for m, i, o, k in cands if (s := logit_map(out, o)) is not None]
     if found:
-        m, inputs, k = found[-1]
+        m, inputs, k, mapped = found[-1]
         feats = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if feats is None or feats.ndim != out.ndim or tuple(feats.shape[:-1]) != tuple(out.shape[:-1]):
             raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))} '
                             f'for logits of shape {tuple(out.shape)}; the selector needs features [B, d] (or [B, L, d] '
                             'for logits [B, L, V]): apply the head to pooled features, or per token over the last dim')
-        return m, k, seen[m], False
+        return m, k, seen[m], False, mapped
     gathered = [(m, i, o, k) for m, i, o, k in cands if gathered_through(out, o)]
     if gathered:                                         # e.g. logits[arange(B), last]: a decoder classifier's pooling
         m, inputs, o, k = gathered[-1]
@@ -235,12 +282,12 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
             raise HeadError(f'the head {_describe(m, names)} takes input of shape {tuple(getattr(feats, "shape", ()))} '
                             f'for an output of shape {tuple(o.shape)}: apply the head to pooled features')
         _check_gathered(model, xin, m, k, out, o, feats, devices, names)
-        return m, k, seen[m], True
+        return m, k, seen[m], True, LogitMap()
     m, _, o, _ = cands[-1]
     raise HeadError(f"the model's output is not the output of its head {_describe(m, names)}: "
                     f'{_what_follows(out, o, calls, names, model)}, so the selector would budget the head\'s gradient as '
                     'if its output were the logits. Fix: return the raw logits from forward() (apply a softmax, '
-                    'temperature or scale in the loss instead), or pass head=<the affine module whose output the model returns>')
+                    'a per-class scale or an added term in the loss instead), or pass head=<the affine module whose output the model returns>')
 
 def locate_head(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None) -> nn.Module:
     "The affine module whose output is the model's output on `x` (`head` if given, verified); raises `HeadError`."
@@ -253,6 +300,7 @@ class HeadCapture:
         self.head, self.value, self.model, self.explicit, self.verified = head, None, model, explicit, {}
         self.call, self.calls = None, 0                  # the head's call that makes the logits (None: the last); calls so far
         self.gathered, self._split_hook = False, None    # gathered heads (below)
+        self.logit_map = LogitMap()                      # what maps the head's output to the logits (`logit_map`)
         self.shared = _CARRIERS.setdefault(head, _Carrier())   # one head carried once per forward, whatever hooks it
         self._handle, self._reset = head.register_forward_hook(self._store), None
         self.path = self._path_of(head)
@@ -330,7 +378,8 @@ class HeadCapture:
                 return self._verified(x, *found)
         sig = (tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
         if sig in self.verified:
-            if self.verified[sig] != (self.head, self.call, self.gathered): self._hook(*self.verified[sig])
+            head, call, gathered, self.logit_map = self.verified[sig]
+            if (head, call, gathered) != (self.head, self.call, self.gathered): self._hook(head, call, gathered)
             return
         self._verified(x, *self._head_call(x, self.head if self.explicit else None))
 
@@ -339,10 +388,11 @@ class HeadCapture:
         try: return head_call(self.model, x, head)
         finally: self.value = None
 
-    def _verified(self, x: torch.Tensor, head: nn.Module, call: int, n: int, gathered: bool = False) -> None:
+    def _verified(self, x: torch.Tensor, head: nn.Module, call: int, n: int, gathered: bool = False, mapped: LogitMap = LogitMap()) -> None:
         self.value = None
         self._hook(head, None if call == n - 1 and not gathered else call, gathered)
-        self.verified[(tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)] = (self.head, self.call, self.gathered)
+        self.logit_map = mapped
+        self.verified[(tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)] = (self.head, self.call, self.gathered, mapped)
 
     def take(self) -> torch.Tensor:
         "The captured features, once (the capture is empty afterwards)."
