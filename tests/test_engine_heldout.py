@@ -1,4 +1,4 @@
-"Held-out cases of `reuse`/`reforward`: eval-mode attention-bias caches (timm), a forward that branches on the batch size, a shape guard that forces an all-rows backward."
+"Held-out cases of `reuse`/`reforward`: eval-mode attention-bias caches (timm), a forward that branches on the batch size, a shape guard that forces an all-rows backward, a backward whose real strides differ from its fake kernels' (Doge's gate)."
 import copy
 import warnings
 
@@ -198,3 +198,30 @@ def test_guard_all_rows_backward_is_warned_and_recorded():
         warnings.simplefilter('ignore')
         stats = policy.step(x, y, torch.arange(16))
     assert stats.all_rows == (0 < int(stats.kept) < 16)
+
+
+class DtGate(nn.Module):
+    "Doge's dynamic gate (transformers' DogeForCausalLM): exp(A·softplus(dt(x))) per token and head, used transposed. The CPU kernel of softplus_backward lays its output out like the transposed gradient, its fake kernel contiguously, so the traced backward's next view failed on the real strides."
+    def __init__(self, d=8, heads=2, L=6, C=5):
+        super().__init__()
+        self.dt, self.A, self.v, self.fc = nn.Linear(d, heads), nn.Parameter(torch.randn(heads)), nn.Linear(d, heads), nn.Linear(heads * L, C)
+
+    def forward(self, x):
+        gate = torch.exp(self.A * F.softplus(self.dt(x))).transpose(-1, -2)
+        return self.fc((gate * self.v(x).transpose(-1, -2)).flatten(1))
+
+
+@pytest.mark.parametrize('keep', ['some', 'all', 'one'])
+@pytest.mark.parametrize('mode', ['reuse', 'reforward'])
+def test_a_backward_whose_real_strides_differ_from_the_trace_is_exact(mode, keep):
+    torch.manual_seed(0)
+    model = DtGate().double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+    w = {'some': torch.tensor([1., 1, 1, 0, 1, 0]), 'all': torch.ones(6), 'one': torch.tensor([0., 0, 1, 0, 0, 0])}[keep].double()
+    _, ref = reference(model, x, y, w)
+    engine = Engine(model, mode)
+    _, got = engine_step(engine, x, y, w)
+    top, rel = grad_errors(got, ref)
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    engine.close()

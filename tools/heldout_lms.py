@@ -17,7 +17,7 @@ import argparse, sys, warnings
 import torch
 
 ARCHS = ('gemma', 'gemma2', 'gemma3', 'mistral', 'phi', 'phi3', 'qwen3', 'olmo2', 'gptneox', 'falcon', 'stablelm',
-         'bloom', 'opt', 'cohere', 'granite', 'mixtral', 'qwen2moe')
+         'bloom', 'opt', 'cohere', 'granite', 'doge', 'mixtral', 'qwen2moe')
 B, L, VOCAB = 6, 8, 64
 LENGTHS = torch.tensor([8, 6, 8, 3, 8, 5])
 
@@ -53,6 +53,7 @@ def build(name: str):
         'cohere': lambda: tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.0625)),
         'granite': lambda: tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=4.0, embedding_multiplier=2.0,
                                                                    residual_multiplier=0.5, attention_multiplier=0.25)),
+        'doge': lambda: tf.DogeForCausalLM(tf.DogeConfig(**common, attention_dropout=0.0, hidden_dropout=0.0)),
         'mixtral': lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
         'qwen2moe': lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                                      moe_intermediate_size=16,

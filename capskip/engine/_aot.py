@@ -28,9 +28,9 @@ log = logging.getLogger('capskip.engine')
 TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch versions this module is written against
 
 # %% auto #0
-__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows', 'take_rows',
-           'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'readable_guard', 'state_change',
-           'eval_sym', 'trace', 'run_forward', 'probe_traced']
+__all__ = ['log', 'TESTED_TORCH', 'VIEWS', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows',
+           'take_rows', 'views_as_reshapes', 'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold',
+           'readable_guard', 'state_change', 'eval_sym', 'trace', 'run_forward', 'probe_traced']
 
 # %% ../../nbs/01e_aot.ipynb #84f028aa
 def torch_version_ok(version: str = torch.__version__) -> bool:
@@ -190,8 +190,17 @@ def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(size, strides, dtype=t.dtype, device=t.device)
     return torch.index_select(t, d, index, out=out)   # one copy into that order, no views
 
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+def views_as_reshapes(gm: fx.GraphModule) -> int:
+    "Turn every `view` (and `_unsafe_view`) of `gm` into a `reshape`, which views where the real strides allow it and copies where they do not; how many (not recompiled)."
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == 'call_function' and node.target in VIEWS: node.target = torch.ops.aten.reshape.default; n += 1
+    return n
+
 def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
-    "Insert index_select(kept rows) before each batch-carrying saved input's first use; boxed calling convention."
+    "Insert index_select(kept rows) before each batch-carrying saved input's first use; `views_as_reshapes`; boxed calling convention."
     from torch.fx.graph import _BoxedCodeGen
     g = bw.graph
     phs = [n for n in g.nodes if n.op == 'placeholder']
@@ -214,6 +223,7 @@ def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
             sel = g.call_function(take_rows, (ph, d, index))
         keep_ph = set(indices.values()) | {sel}
         ph.replace_all_uses_with(sel, delete_user_cb=lambda user: user not in keep_ph)
+    views_as_reshapes(bw)
     g.set_codegen(_BoxedCodeGen())
     g.lint()
     bw.recompile()
@@ -365,6 +375,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     guards = [gd.expr for gd in getattr(shape_env, 'guards', []) if strided or not layout_guard(gd)]
     reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
+    if views_as_reshapes(fw): fw.recompile()
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards,
                   bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason, len(user_stores(dyn)), state, xc.shape[0])
 
