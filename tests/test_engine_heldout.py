@@ -225,3 +225,49 @@ def test_a_backward_whose_real_strides_differ_from_the_trace_is_exact(mode, keep
     top, rel = grad_errors(got, ref)
     assert top < 1e-12 and rel < 1e-12, (top, rel)
     engine.close()
+
+
+def test_a_traced_backward_that_fails_at_run_time_says_so_in_one_line_and_the_repeated_step_is_exact(monkeypatch):
+    "The safety net under the fix above: with views_as_reshapes undone, DtGate's traced backward fails again; the error says what to do, and the repeated step runs reforward, exactly."
+    import capskip.engine._aot as aot
+    monkeypatch.setattr(aot, 'views_as_reshapes', lambda gm: 0)
+    torch.manual_seed(0)
+    model = DtGate().double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+    w = torch.tensor([1., 1, 1, 0, 1, 0]).double()
+    _, ref = reference(model, x, y, w)
+    engine = Engine(model, 'reuse')
+    with pytest.raises(RuntimeError) as err:
+        engine_step(engine, x, y, w)
+    msg = str(err.value)
+    assert '\n' not in msg and 'traced backward failed at run time' in msg and 'view size is not compatible' in msg
+    assert 'zero them and repeat the step' in msg and 'mode="reforward"' in msg
+    fwd, got = engine_step(engine, x, y, w)                              # repeated: reforward, exact
+    assert fwd.mode == 'reforward'
+    top, rel = grad_errors(got, ref)
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    assert isinstance(cached_traces(model)[0], str)
+    engine.close()
+
+
+def test_a_traced_forward_that_fails_at_run_time_runs_the_fallback_with_a_warning(monkeypatch):
+    import capskip.engine.reuse as reuse
+    def boom(*args): raise RuntimeError('a kernel the trace did not foresee')
+    monkeypatch.setattr(reuse, 'run_forward', boom)
+    torch.manual_seed(0)
+    model = DtGate().double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+    w = torch.tensor([1., 1, 1, 0, 1, 0]).double()
+    _, ref = reference(model, x, y, w)
+    engine = Engine(model, 'reuse')
+    with pytest.warns(RuntimeWarning, match=r'traced forward failed at run time \(RuntimeError: a kernel the trace did not foresee\)'):
+        fwd, got = engine_step(engine, x, y, w)
+    assert fwd.mode == 'reforward'
+    top, rel = grad_errors(got, ref)
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                                   # said once: the next step falls back quietly
+        assert engine_step(engine, x, y, w)[0].mode == 'reforward'
+    engine.close()

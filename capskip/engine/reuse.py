@@ -237,6 +237,22 @@ class Reuse(Executor):
             log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return reason
 
+    def give_up(self, traced: Traced, where: str, err: Exception) -> str:
+        "After a traced graph of `traced` failed at run time: every input signature it serves runs the fallback from now on (before its other traces); the reason."
+        first = str(err).splitlines()[0][:200] if str(err) else ''
+        reason = f'its traced {where} failed at run time ({type(err).__name__}: {first})'
+        traced = next((t for t, twin in self.twins.values() if twin is traced), traced)   # compile=True: the cached original
+        for entries in self.cache.values():
+            if any(e is traced for e in entries) and reason not in entries: entries.insert(0, reason)
+        return reason
+
+    def backward_failed(self, traced: Traced, err: Exception) -> RuntimeError:
+        "The one-line error of a traced backward that failed at run time (its signature now runs the fallback)."
+        reason = self.give_up(traced, 'backward', err)
+        return RuntimeError(f'capskip reuse: {reason} in {model_name(self.model)}; this step\'s gradients are incomplete '
+                            f'(.grad may hold part of them): zero them and repeat the step, which now runs mode='
+                            f'"{self.fallback.mode}" (exact, no reuse of activations) for this input signature')
+
     def warn_all_rows(self, traced: Traced, why: str) -> None:
         "Warn once per traced graph that a backward runs over all rows although some are dropped (exact, no saving)."
         if id(traced) in self.warned: return
@@ -261,9 +277,15 @@ class Reuse(Executor):
         traced = self.traced_for(x)
         if isinstance(traced, str):                      # logged fallback
             return self.fallback.run_forward(x)
-        B, traced = x.shape[0], self.runnable(traced)
-        logits, feats, saved = run_forward(traced, self.model, x if B >= 2 else torch.cat([x, x]))
-        return Forward(logits[:B], feats[:B], self.mode, state=ReuseState(traced, saved, max(B, 2)))
+        B, runnable = x.shape[0], self.runnable(traced)
+        try: logits, feats, saved = run_forward(runnable, self.model, x if B >= 2 else torch.cat([x, x]))
+        except Exception as err:                         # a graph the trace could not foresee failing (a kernel's strides)
+            reason = self.give_up(traced, 'forward', err)
+            msg = (f'capskip reuse: {reason} in {model_name(self.model)}; this input signature runs '
+                   f'mode="{self.fallback.mode}" from now on (exact, no reuse of activations)')
+            log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return self.fallback.run_forward(x)
+        return Forward(logits[:B], feats[:B], self.mode, state=ReuseState(runnable, saved, max(B, 2)))
 
     def backward_graph(self, st: ReuseState, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int) -> tuple:
         "(graph, its arguments): the backward graph over the kept rows (the unsliced graph when all are kept); the saved values pass to the arguments."
@@ -303,8 +325,10 @@ class Reuse(Executor):
         "Gradients of `params` ([(name, parameter)]) from the backward graph over the kept rows (the unsliced graph when all are kept)."
         if mode != self.mode: return self.fallback.param_grads(mode, st, grad_logits, keep, kept, params)
         graph, args = self.backward_graph(st, grad_logits, keep, kept)
-        with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
-            grads = graph(args)
+        try:
+            with torch.no_grad(), torch.autocast(grad_logits.device.type, enabled=False):
+                grads = graph(args)
+        except Exception as err: raise self.backward_failed(st.traced, err) from err
         return _aligned(self.slots(st.traced, params), grads, params)
 
     def grad_groups(self, mode: str, st, params: list) -> list[list[int]] | None:
@@ -324,4 +348,6 @@ class Reuse(Executor):
         if key not in self.staged: self.staged[key] = split_stages(graph, slots, groups)
         stages = run_stages(self.staged[key], args, grad_logits.device.type)
         for group in groups:                             # each stage's gradients straight out: this frame keeps none of them
-            yield _stage_aligned(next(stages), slots, params, group)
+            try: got = [next(stages)]
+            except Exception as err: raise self.backward_failed(st.traced, err) from err
+            yield _stage_aligned(got.pop(), slots, params, group)     # popped: no reference stays in this frame
