@@ -232,3 +232,28 @@ def test_two_engines_on_one_gathered_head_each_get_the_gathered_features():
     model.zero_grad(set_to_none=True)
     assert second.loss_backward(second.forward(x), y, w) == 3
     assert max(grad_errors(model_grads(model), ref)) <= 1e-5
+
+
+class TiedByMatmul(nn.Module):
+    "A causal LM written by hand with its logits tied to the embedding by a matrix product: no head module."
+    def __init__(self, V=20, d=8, functional=False):
+        super().__init__()
+        self.emb, self.mlp, self.functional = nn.Embedding(V, d), nn.Sequential(nn.Linear(d, 16), nn.GELU(), nn.Linear(16, d)), functional
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.mlp(h)
+        return F.linear(h, self.emb.weight) if self.functional else h @ self.emb.weight.T
+
+
+@pytest.mark.parametrize('functional', [False, True])
+def test_logits_from_a_matrix_product_outside_any_module_get_a_refusal_that_says_to_make_it_a_module(functional):
+    ids = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(HeadError) as err:
+        Engine(TiedByMatmul(functional=functional), 'masked').forward(ids)
+    msg = str(err.value)
+    assert '\n' not in msg and 'matrix product outside any module (mm' in msg and 'nn.Linear(d, V, bias=False)' in msg
+    assert 'mlp.2' not in msg                                             # not a wrong head named as if it were one
+    explicit = TiedByMatmul()
+    with pytest.raises(HeadError, match='matrix product outside any module'):    # head= names a module that is not it
+        Engine(explicit, 'masked', head=explicit.mlp[2]).forward(ids)   # (a true head module named wrongly: test_an_explicit_head_is_verified_too)

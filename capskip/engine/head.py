@@ -18,9 +18,10 @@ import torch.nn as nn
 from .types import buffers_restored
 
 # %% auto #0
-__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'SCALE_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError', 'NotLogitsError',
-           'pass_chain', 'passes_through', 'gathered_through', 'carry', 'split_carried', 'ops_between', 'scalar_factor',
-           'map_chain', 'LogitMap', 'logit_map', 'head_call', 'locate_head', 'HeadCapture']
+__all__ = ['PASS_THROUGH', 'GATHER_OPS', 'SCALE_OPS', 'MATMUL_OPS', 'built_by', 'find_head', 'resolve_head', 'HeadError',
+           'NotLogitsError', 'pass_chain', 'passes_through', 'gathered_through', 'carry', 'split_carried',
+           'ops_between', 'scalar_factor', 'map_chain', 'functional_head', 'LogitMap', 'logit_map', 'head_call',
+           'locate_head', 'HeadCapture']
 
 # %% ../../nbs/01b_head.ipynb #6de85d6a
 _BUILDER = contextvars.ContextVar('capskip_builder', default='Engine')
@@ -146,6 +147,14 @@ def map_chain(node):
         if len(nxt) != 1 or tanhs > 1 or not (node.name() in PASS_THROUGH or node.name() == 'TanhBackward0'
                                               or scalar_factor(node)): return
         node = nxt[0]
+
+MATMUL_OPS = {'MmBackward0', 'AddmmBackward0', 'BmmBackward0', 'LinearBackward0'}
+
+def functional_head(out: torch.Tensor, module_outputs: set = frozenset()) -> str | None:
+    "The matrix product that made `out` (through `map_chain`) when no module's output (`module_outputs`: their autograd nodes) lies on the way (`h @ emb.weight.T`, `F.linear(h, W)`): its op name, else None."
+    chain = list(map_chain(out.grad_fn))
+    if not chain or chain[-1].name() not in MATMUL_OPS or any(n in module_outputs for n in chain): return None
+    return _op_name(chain[-1])
 
 class LogitMap(NamedTuple):
     "What lies between the head's output u and the logits z: `ops` (op names in model order; () when z is u) and `cap`, the factor b after a tanh (z = b·tanh(a·u), a soft cap), None without one."
@@ -283,6 +292,12 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
                             f'for an output of shape {tuple(o.shape)}: apply the head to pooled features')
         _check_gathered(model, xin, m, k, out, o, feats, devices, names)
         return m, k, seen[m], True, LogitMap()
+    made = {o.grad_fn for m, _, o in calls if m is not model and isinstance(o, torch.Tensor) and o.grad_fn is not None}
+    if (op := functional_head(out, made)) is not None:
+        raise HeadError(f"{type(model).__name__}'s logits come from a matrix product outside any module ({op}: h @ "
+                        'emb.weight.T or F.linear(h, W)), so no head module holds the input the selector needs. Fix: make it '
+                        'a module, self.lm_head = nn.Linear(d, V, bias=False) (tied: self.lm_head.weight = self.emb.weight), '
+                        'and return self.lm_head(h)')
     m, _, o, _ = cands[-1]
     raise HeadError(f"the model's output is not the output of its head {_describe(m, names)}: "
                     f'{_what_follows(out, o, calls, names, model)}, so the selector would budget the head\'s gradient as '
