@@ -211,15 +211,20 @@ class DtGate(nn.Module):
         return self.fc((gate * self.v(x).transpose(-1, -2)).flatten(1))
 
 
-@pytest.mark.parametrize('keep', ['some', 'all', 'one'])
-@pytest.mark.parametrize('mode', ['reuse', 'reforward'])
-def test_a_backward_whose_real_strides_differ_from_the_trace_is_exact(mode, keep):
+def gate_case(w=(1, 1, 1, 0, 1, 0)):
+    "A float64 DtGate, a batch of 6 rows, the row weights `w`, and float64 autograd's gradients of (1/B) Σ w_i CE."
     torch.manual_seed(0)
     model = DtGate().double()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
-    w = {'some': torch.tensor([1., 1, 1, 0, 1, 0]), 'all': torch.ones(6), 'one': torch.tensor([0., 0, 1, 0, 0, 0])}[keep].double()
-    _, ref = reference(model, x, y, w)
+    w = torch.tensor(w, dtype=torch.float64)
+    return model, x, y, w, reference(model, x, y, w)[1]
+
+
+@pytest.mark.parametrize('keep', ['some', 'all', 'one'])
+@pytest.mark.parametrize('mode', ['reuse', 'reforward'])
+def test_a_backward_whose_real_strides_differ_from_the_trace_is_exact(mode, keep):
+    model, x, y, w, ref = gate_case({'some': [1, 1, 1, 0, 1, 0], 'all': [1] * 6, 'one': [0, 0, 1, 0, 0, 0]}[keep])
     engine = Engine(model, mode)
     _, got = engine_step(engine, x, y, w)
     top, rel = grad_errors(got, ref)
@@ -231,12 +236,7 @@ def test_a_traced_backward_that_fails_at_run_time_says_so_in_one_line_and_the_re
     "The safety net under the fix above: with views_as_reshapes undone, DtGate's traced backward fails again; the error says what to do, and the repeated step runs reforward, exactly."
     import capskip.engine._aot as aot
     monkeypatch.setattr(aot, 'views_as_reshapes', lambda gm: 0)
-    torch.manual_seed(0)
-    model = DtGate().double()
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
-    w = torch.tensor([1., 1, 1, 0, 1, 0]).double()
-    _, ref = reference(model, x, y, w)
+    model, x, y, w, ref = gate_case()
     engine = Engine(model, 'reuse')
     with pytest.raises(RuntimeError) as err:
         engine_step(engine, x, y, w)
@@ -255,12 +255,7 @@ def test_a_traced_forward_that_fails_at_run_time_runs_the_fallback_with_a_warnin
     import capskip.engine.reuse as reuse
     def boom(*args): raise RuntimeError('a kernel the trace did not foresee')
     monkeypatch.setattr(reuse, 'run_forward', boom)
-    torch.manual_seed(0)
-    model = DtGate().double()
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 6, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
-    w = torch.tensor([1., 1, 1, 0, 1, 0]).double()
-    _, ref = reference(model, x, y, w)
+    model, x, y, w, ref = gate_case()
     engine = Engine(model, 'reuse')
     with pytest.warns(RuntimeWarning, match=r'traced forward failed at run time \(RuntimeError: a kernel the trace did not foresee\)'):
         fwd, got = engine_step(engine, x, y, w)
