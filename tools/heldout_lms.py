@@ -1,7 +1,7 @@
 """Causal LMs the tests do not build, through `CAPSkip` in every skipping mode, against plain float64 autograd (a
 maintainers' probe).
 
-Usage: python tools/heldout_lms.py [NAME ...]   (default: every name in ARCHS)
+Usage: python tools/heldout_lms.py [NAME ...] [--more]   (default: every name in ARCHS; --more adds the families of MORE)
 
 Each model is a two-block Hugging Face model built from its config (hidden 32, vocab 64; no weights are downloaded). One
 batch of 6 right-padded rows of 8 tokens (Hugging Face labels, -100 on padding; `--pad left` pads on the left, `--pad
@@ -18,12 +18,43 @@ import torch
 
 ARCHS = ('gemma', 'gemma2', 'gemma3', 'mistral', 'phi', 'phi3', 'qwen3', 'olmo2', 'gptneox', 'falcon', 'stablelm',
          'bloom', 'opt', 'cohere', 'granite', 'doge', 'mixtral', 'qwen2moe')
+# more families, each built by `from_config` from the transformers classes `<Name>Config` / `<Name>ForCausalLM` with the
+# keywords of `SMALL` its config takes, plus its own (hybrid models need an attention layer among their two)
+MORE = {'GPTJ': {}, 'GPTBigCode': {}, 'CodeGen': {}, 'BioGpt': {}, 'Persimmon': {}, 'Starcoder2': {}, 'Olmo': {},
+        'Nemotron': {}, 'Glm': {}, 'Glm4': {}, 'Helium': {}, 'Exaone4': {}, 'Arcee': {}, 'SmolLM3': {}, 'Cohere2': {},
+        'Apertus': {}, 'Ministral': {}, 'Olmo3': {}, 'Mpt': {}, 'Mamba': {}, 'Lfm2': {}, 'FalconH1': {}, 'Ernie4_5': {},
+        'Mamba2': {'num_heads': 8, 'head_dim': 8, 'n_groups': 1, 'expand': 2},
+        'Bamba': {'mamba_n_heads': 8, 'mamba_d_head': 8, 'attn_layer_indices': [1], 'mamba_n_groups': 1},
+        'RecurrentGemma': {'block_types': ['recurrent', 'attention'], 'lru_width': 32, 'attention_window_size': 4},
+        'GraniteMoe': {}, 'GptOss': {},
+        'Jamba': {'attn_layer_offset': 1, 'attn_layer_period': 2, 'expert_layer_offset': 1, 'expert_layer_period': 2,
+                  'use_mamba_kernels': False},
+        'Qwen3Next': {'layer_types': ['linear_attention', 'full_attention'], 'linear_num_value_heads': 2,
+                      'linear_num_key_heads': 2, 'linear_key_head_dim': 8, 'linear_value_head_dim': 8}}
+SMALL = dict(vocab_size=64, hidden_size=32, n_embd=32, d_model=32, num_hidden_layers=2, n_layer=2, n_layers=2,
+             num_attention_heads=4, n_head=4, n_heads=4, num_key_value_heads=2, intermediate_size=64, n_inner=64,
+             max_position_embeddings=16, n_positions=16, bos_token_id=0, eos_token_id=0, pad_token_id=0, head_dim=8,
+             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attention_dropout=0.0, hidden_dropout=0.0, dropout=0.0,
+             state_size=8, expand=2, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+             rotary_dim=4, partial_rotary_factor=0.5, sliding_window=4)
+
+
+def from_config(name: str):
+    "A two-block `<name>ForCausalLM` of `MORE` from its config: the keywords of `SMALL` its config's constructor takes, and its own."
+    import inspect
+    import transformers as tf
+    torch.manual_seed(0)
+    config = getattr(tf, name + 'Config')
+    takes = inspect.signature(config.__init__).parameters
+    kw = {k: v for k, v in SMALL.items() if k in takes} | MORE[name]
+    return getattr(tf, name + 'ForCausalLM')(config(**kw, attn_implementation='eager'))
 B, L, VOCAB = 6, 8, 64
 LENGTHS = torch.tensor([8, 6, 8, 3, 8, 5])
 
 
 def build(name: str):
     "A two-block model of `name` from its config, the same weights on every call."
+    if name in MORE: return from_config(name)
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -105,15 +136,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('names', nargs='*'); ap.add_argument('--pad', choices=('right', 'left', 'none'), default='right')
     ap.add_argument('--prompt', type=int, default=0)
+    ap.add_argument('--more', action='store_true', help='with no NAME: also every family of MORE (about 3 more minutes)')
     ns = ap.parse_args()
-    unknown = [n for n in ns.names if n not in ARCHS]
-    if unknown: ap.error(f'unknown model {unknown[0]!r}: one of {", ".join(ARCHS)}')
+    unknown = [n for n in ns.names if n not in ARCHS and n not in MORE]
+    if unknown: ap.error(f'unknown model {unknown[0]!r}: one of {", ".join(ARCHS)}, or with --more: {", ".join(MORE)}')
     if not 0 <= ns.prompt < L: ap.error(f'--prompt must be in [0, {L}), got {ns.prompt}')
     import transformers
     transformers.logging.set_verbosity_error()
     print(f'torch {torch.__version__}, transformers {transformers.__version__}; B={B}, L={L}, V={VOCAB}, budget 0.5, '
           f'{"not padded" if ns.pad == "none" else ns.pad + "-padded"}, prompt {ns.prompt}; errors against float64 autograd of the kept rows', flush=True)
-    for name in ns.names or ARCHS:
+    for name in ns.names or (ARCHS + tuple(MORE) if ns.more else ARCHS):
         for mode in ('reuse', 'reforward', 'masked'):
             print(f'{name:9s} {mode:9s} {probe(name, mode, ns.pad, ns.prompt)}', flush=True)
     return 0

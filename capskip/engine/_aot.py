@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .head import HeadCapture
-from .layouts import factors, graph_layouts, is_rows, row_index, rows_of, sym_expr
+from .layouts import factors, graph_layouts, is_rows, problem_summary, row_index, rows_of, sym_expr, views_as_reshapes
 from .probe import INTEGER_PATHS, check_finite, finite_rows, fingerprints, mixing_cause, probe_inputs
 from .types import RowDependenceError, row_dependence_error
 
@@ -28,9 +28,9 @@ log = logging.getLogger('capskip.engine')
 TESTED_TORCH = ((2, 6), (2, 15))   # [lowest, highest) (major, minor) torch versions this module is written against
 
 # %% auto #0
-__all__ = ['log', 'TESTED_TORCH', 'VIEWS', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows',
-           'take_rows', 'views_as_reshapes', 'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold',
-           'readable_guard', 'state_change', 'eval_sym', 'trace', 'run_forward', 'probe_traced']
+__all__ = ['log', 'TESTED_TORCH', 'torch_version_ok', 'check_private_apis', 'Traced', 'user_stores', 'merged_rows', 'take_rows',
+           'seeded_backward_ops', 'layout_guard', 'failed_guard', 'guards_hold', 'readable_guard', 'state_change',
+           'eval_sym', 'trace', 'run_forward', 'probe_traced']
 
 # %% ../../nbs/01e_aot.ipynb #84f028aa
 def torch_version_ok(version: str = torch.__version__) -> bool:
@@ -189,15 +189,6 @@ def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     for i in reversed(order): strides[i], step = step, step * size[i]   # dense, in t's stride order
     out = torch.empty_strided(size, strides, dtype=t.dtype, device=t.device)
     return torch.index_select(t, d, index, out=out)   # one copy into that order, no views
-
-VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-
-def views_as_reshapes(gm: fx.GraphModule) -> int:
-    "Turn every `view` (and `_unsafe_view`) of `gm` into a `reshape`, which views where the real strides allow it and copies where they do not; how many (not recompiled)."
-    n = 0
-    for node in gm.graph.nodes:
-        if node.op == 'call_function' and node.target in VIEWS: node.target = torch.ops.aten.reshape.default; n += 1
-    return n
 
 def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
     "Insert index_select(kept rows) before each batch-carrying saved input's first use; `views_as_reshapes`; boxed calling convention."
@@ -373,9 +364,8 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     shape_env = fw_ph[x_pos[0]].meta['val'].fake_mode.shape_env
     strided = sorted({str(n.target) for gm in (fw, bw) for n in gm.graph.nodes if n.target in _STRIDE_BAKED})
     guards = [gd.expr for gd in getattr(shape_env, 'guards', []) if strided or not layout_guard(gd)]
-    reason = f'the backward cannot be sliced by rows: {problems}' if problems else None
+    reason = f'the backward cannot be sliced by rows: {problem_summary(problems)}' if problems else None
     if reason: log.warning('capskip reuse: %s; the backward will run over all rows (exact, no saving)', reason)
-    if views_as_reshapes(fw): fw.recompile()
     return Traced(fw, bw, sources, batch, n_user, bw_inputs, grad_names, guards,
                   bw_full, _bw_specs(bw_full, n_user, tail, layouts), reason, len(user_stores(dyn)), state, xc.shape[0])
 

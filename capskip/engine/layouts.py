@@ -11,9 +11,9 @@ import torch
 import torch.fx as fx
 
 # %% auto #0
-__all__ = ['VIEW_OPS', 'STRIDED_OPS', 'ARANGE_OPS', 'NUMBER_KEEPING_OPS', 'INDEX_OPS', 'sym_expr', 'make_layout', 'factors',
-           'is_rows', 'row_index', 'rows_of', 'view_layout', 'is_batch_arange', 'renumbered', 'data_dependent',
-           'restrides_only', 'graph_layouts']
+__all__ = ['VIEW_OPS', 'STRIDED_OPS', 'VIEWS', 'ARANGE_OPS', 'NUMBER_KEEPING_OPS', 'INDEX_OPS', 'views_as_reshapes',
+           'problem_summary', 'sym_expr', 'make_layout', 'factors', 'is_rows', 'row_index', 'rows_of', 'view_layout',
+           'is_batch_arange', 'renumbered', 'data_dependent', 'restrides_only', 'graph_layouts']
 
 # %% ../../nbs/01i_layouts.ipynb #8f7f31fa
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
@@ -21,6 +21,20 @@ VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, to
             torch.ops.aten.unflatten.int}
 STRIDED_OPS = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
                torch.ops.aten.as_strided_scatter.default}
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}   # views that require viewable strides
+
+def views_as_reshapes(gm: fx.GraphModule) -> int:
+    "Turn every `view` (and `_unsafe_view`) of a functional graph `gm` into a `reshape`, which views where the real strides allow it and copies where they do not (`capskip.engine._aot`: a fake kernel's strides may differ from the real one's); how many (not recompiled)."
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == 'call_function' and node.target in VIEWS: node.target = torch.ops.aten.reshape.default; n += 1
+    return n
+
+def problem_summary(problems: dict, shown: int = 2) -> str:
+    "What keeps a backward from being sliced ({what: cause}), one clause per cause: the cause, how many it hits, the first `shown` of them (a model can have dozens)."
+    by_cause: dict = {}
+    for what, cause in problems.items(): by_cause.setdefault(cause, []).append(what)
+    return '; '.join(f"{cause} ({len(w)}: {', '.join(w[:shown])}{', ...' if len(w) > shown else ''})" for cause, w in by_cause.items())
 
 def sym_expr(v):
     "The sympy expression of a SymInt (or the value itself)."
