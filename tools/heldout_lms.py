@@ -47,7 +47,7 @@ def from_config(name: str):
     config = getattr(tf, name + 'Config')
     takes = inspect.signature(config.__init__).parameters
     kw = {k: v for k, v in SMALL.items() if k in takes} | MORE[name]
-    return getattr(tf, name + 'ForCausalLM')(config(**kw, attn_implementation='eager'))
+    return getattr(tf, name + 'ForCausalLM')(config(**kw))
 B, L, VOCAB = 6, 8, 64
 LENGTHS = torch.tensor([8, 6, 8, 3, 8, 5])
 
