@@ -24,10 +24,10 @@ from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs,
 from .sequence_bounds import parse_gram, select_sequences_with, token_split
 
 # %% auto #0
-__all__ = ['Rule', 'IGNORE_INDEX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision', 'realised_distortion',
-           'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide', 'loss_denominator',
-           'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses', 'ce_grad_graph', 'SequenceCE',
-           'sequence_loss', 'sequence_step', 'check_step_inputs']
+__all__ = ['Rule', 'IGNORE_INDEX', 'LASTFIX_SCALED_FIX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
+           'realised_distortion', 'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide',
+           'loss_denominator', 'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses',
+           'ce_grad_graph', 'SequenceCE', 'sequence_loss', 'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -93,6 +93,8 @@ def realised_distortion(res: Tensor, feats: Tensor, weights: Tensor, received: T
     norm = lambda ws: torch.cat([t.flatten() for t in last_layer_grad(res, feats, ws, bias) if t is not None]).norm()
     total, diff = norm(weights), norm(weights - received)
     return torch.where(total > 0, diff / total.clamp_min(torch.finfo(total.dtype).tiny), diff)
+
+LASTFIX_SCALED_FIX = "pass reweight='det_scale' or None, or return the head's output from forward() and set CAPSkip(temperature=...)"
 
 def check_unscaled_head(engine: Engine, what: str, fix: str) -> None:
     "Refuse `what`, a path that writes the head's gradient itself, when the model scales or soft-caps its head's output (`HeadCapture.logit_map`): that gradient would miss the factor."
@@ -160,7 +162,7 @@ def run_step(engine: Engine, x: Tensor, y: Tensor, weights: Tensor | None, rule:
     den = loss_denominator(B, counted, denominator) * temperature    # d/dz of CE(z / T) is (softmax(z / T) − y) / T
     extra = ()
     if d.lastfix is not None:
-        check_unscaled_head(engine, "reweight='det_lastfix'", "pass reweight='det_scale' or None, or return the head's output from forward() and set CAPSkip(temperature=...)")
+        check_unscaled_head(engine, "reweight='det_lastfix'", LASTFIX_SCALED_FIX)
         fix = lastfix_grad(engine.head, res, fwd.features, d.lastfix, den)
         extra = ((fix, torch.ones_like(fix)),)
     kept = engine.backward(fwd, res * (d.applied.to(res.dtype) / den)[:, None], d.applied > 0, extra)   # ∂/∂z of (1/den) Σ applied_i ℓ_i
@@ -177,7 +179,7 @@ def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weigh
     per_row = F.cross_entropy(at_least_float32(logits) / temperature, y, reduction='none', label_smoothing=label_smoothing)
     loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
     if d.lastfix is not None:
-        check_unscaled_head(engine, "reweight='det_lastfix'", "pass reweight='det_scale' or None, or return the head's output from forward() and set CAPSkip(temperature=...)")
+        check_unscaled_head(engine, "reweight='det_lastfix'", LASTFIX_SCALED_FIX)
         loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
     return loss, StepStats((d.applied > 0).sum(), B, distortion, losses.sum(), losses, d.applied, d.drop, correct)
 

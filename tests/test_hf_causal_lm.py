@@ -230,3 +230,14 @@ def test_causal_lms_pass_the_check_and_what_they_cannot_follow_is_refused(data, 
                                  capskip=capskip)
         with pytest.raises(ValueError, match=message) as err: trainer.train()
         assert '\n' not in str(err.value)
+
+
+def test_budget_0_on_a_soft_capped_gemma2_trains_what_the_trainer_trains(data, tmp_path):
+    "Gemma 2's final_logit_softcapping (the map capskip.engine.head.logit_map finds), padded rows, reuse: the Trainer's step."
+    torch.manual_seed(0)
+    base = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0, final_logit_softcapping=30.0))
+    plain, skipped, trainer = side_by_side(base, data, tmp_path, capskip={'mode': 'reuse'})
+    assert_same(plain, skipped)
+    assert trainer.skip.engine.last_capture.logit_map.cap == 30.0
