@@ -21,6 +21,7 @@ import torch.nn as nn
 from .head import HeadCapture
 from .layouts import factors, graph_layouts, is_rows, problem_summary, row_index, rows_of, sym_expr, views_as_reshapes
 from .probe import INTEGER_PATHS, check_finite, finite_rows, fingerprints, mixing_cause, probe_inputs
+from .rewrites import batch_counts, fuse_tied_embedding_grad
 from .types import RowDependenceError, row_dependence_error
 
 log = logging.getLogger('capskip.engine')
@@ -191,7 +192,7 @@ def take_rows(t: torch.Tensor, d: int, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(t, d, index, out=out)   # one copy into that order, no views
 
 def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
-    "Insert index_select(kept rows) before each batch-carrying saved input's first use; `views_as_reshapes`; boxed calling convention."
+    "Insert index_select(kept rows) before each batch-carrying saved input's first use; `views_as_reshapes`; a tied embedding's gradient added into the head's (`fuse_tied_embedding_grad`); boxed calling convention."
     from torch.fx.graph import _BoxedCodeGen
     g = bw.graph
     phs = [n for n in g.nodes if n.op == 'placeholder']
@@ -214,7 +215,7 @@ def _rewrite_backward(bw: fx.GraphModule, layouts: dict) -> None:
             sel = g.call_function(take_rows, (ph, d, index))
         keep_ph = set(indices.values()) | {sel}
         ph.replace_all_uses_with(sel, delete_user_cb=lambda user: user not in keep_ph)
-    views_as_reshapes(bw)
+    views_as_reshapes(bw); fuse_tied_embedding_grad(bw)
     g.set_codegen(_BoxedCodeGen())
     g.lint()
     bw.recompile()
@@ -357,6 +358,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     if seeded:
         problems['random masks regenerated in the backward'] = (f'{seeded} draw dropout from a saved seed by position, so a '
             'backward over fewer rows would draw other masks (set the attention dropout to 0 to skip rows)')
+    problems.update(batch_counts(bw))                    # an embedding counting tokens over the batch
     bw_full = copy.deepcopy(bw)
     _rewrite_backward(bw_full, {})
     _rewrite_backward(bw, {} if problems else layouts)

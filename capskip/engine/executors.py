@@ -5,12 +5,15 @@
 # %% ../../nbs/01d_executors.ipynb #1698cd63
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
 from .head import HeadCapture
 from .node import full_rows_of, hand_over, kept_indices, kept_rows_of, skip_forward
 from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
+from .rewrites import COUNTS_CAUSE, frequency_scaled
 from .types import Forward
 
 # %% auto #0
@@ -104,7 +107,7 @@ class Masked(Dense):
 
 # %% ../../nbs/01d_executors.ipynb #709cda0b
 class Reforward(Executor):
-    "Forward every row without autograd; the backward re-runs the forward of the kept rows only, with autograd (every row, from the same RNG state, when the forward drew random numbers)."
+    "Forward every row without autograd; the backward re-runs the forward of the kept rows only, with autograd (every row, from the same RNG state, when the forward drew random numbers; every row when an embedding counts tokens over the batch)."
     mode = 'reforward'
     skips = True
 
@@ -122,7 +125,7 @@ class Reforward(Executor):
         "Gradients of `params` from a second forward of the kept rows (on detached stand-ins: hooks fire once, in autograd)."
         from torch.nn.utils.stateless import _reparametrize_module
         x, (amp_on, amp_dtype), start = state
-        if start is None:                                # deterministic forward: the kept rows only
+        if start is None and not self.counts_tokens():   # deterministic forward, no counts over the batch: the kept rows only
             rows = kept_indices(keep, kept)
             xk, tangent = x.index_select(0, rows), kept_rows_of(grad_logits, keep, kept)
         else:                                            # random masks (dropout) depend on the batch: every row, same RNG
@@ -141,4 +144,13 @@ class Reforward(Executor):
         missing = [n for (n, _), g in zip(params, grads) if g is None]
         if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         return list(grads)
+
+    def counts_tokens(self) -> bool:
+        "Whether the model holds an embedding that counts tokens over the batch (`frequency_scaled`): its second forward then runs every row (said once)."
+        if not hasattr(self, '_counted'):
+            self._counted = frequency_scaled(self.model)
+            if self._counted:
+                warnings.warn(f'capskip reforward: {COUNTS_CAUSE} ({", ".join(self._counted)}): the second forward and its '
+                              'backward run every row (exact, no saving)', RuntimeWarning, stacklevel=2)
+        return bool(self._counted)
 
