@@ -13,6 +13,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from .backward_probe import subset_backward
+from .rewrites import frequency_scaled
 from .types import RowDependenceError, buffers_restored, row_dependence_error
 
 # %% auto #0
@@ -240,7 +242,7 @@ INTEGER_PATHS = ('rows mix through an integer path (argmax/top-k routing with a 
                   'NaN-skipping statistic (nanmean)')
 
 def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
-    "Raise `RowDependenceError` naming the module where rows mix: a NaN in row 0 reaches another row, or changing rows 0…h−1 changes a bit of the output's rows h…B−1."
+    "Raise `RowDependenceError` naming the module where rows mix: a NaN in row 0 reaches another row, or changing rows 0…h−1 changes a bit of the output's rows h…B−1; or where rows h…B−1 run alone give another output, or another parameters' gradient (`subset_backward`)."
     check_finite(x)
     clean, xnan, xswap, rows = probe_inputs(x)
     batch = clean.shape[0]
@@ -291,6 +293,12 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
             raise row_dependence_error(f'the output of {type(model).__name__}', f'rows {start}-{batch - 1} run alone came '
                                        f'out {drift:.2g} (relative) away from the same rows in the whole batch of {batch}: the '
                                        f'output depends on the batch size or on a row\'s position, {INTEGER_PATHS}', 'batch_size')
+    if frequency_scaled(model): return                   # counts over the batch: reforward and reuse run every row for it
+    drift = subset_backward(model, clean, h, lambda: _NoTF32(clean.device.type == 'cuda'))
+    tol = SUBSET_TOL.get(min((p.element_size() for p in model.parameters() if p.requires_grad), default=4), 1e-2)
+    if drift is not None and drift > tol:
+        raise row_dependence_error(f'the backward of {type(model).__name__}', f"the parameters' gradient from rows {h}-"
+                                   f'{batch - 1} run alone came out {drift:.2g} (relative) away from theirs in the whole batch of {batch}', 'backward')
 
 # %% ../../nbs/01c_probe.ipynb #b7e2c002
 def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:

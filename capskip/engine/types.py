@@ -55,6 +55,9 @@ FIXES = {
     'batch_size': ('the output depends on the batch size or on a row\'s position (code that branches on x.shape[0], a '
                    'capacity or a position table sized by the batch), so a backward over fewer rows would compute another '
                    'function. Fix: make the forward independent of the batch size'),
+    'backward': ('the backward reads the batch size or other rows (a custom autograd.Function whose backward divides by the '
+                 'number of rows or normalises over the batch), so a backward over fewer rows computes another gradient. '
+                 'Fix: make the backward independent of the batch'),
     'other': 'an op combines values of different rows (e.g. a statistic over the batch). Fix: compute it per row',
 }
 

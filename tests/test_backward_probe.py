@@ -1,0 +1,79 @@
+"""The backward's part of the row-independence probe (`capskip.engine.backward_probe`, nbs/01ca_backward_probe.ipynb):
+a model whose forward keeps rows apart but whose backward reads the batch size (a custom autograd.Function dividing
+its gradient by the rows it sees) is refused by `reforward` and `reuse` in one line naming the backward (before, both
+gave a gradient off by a factor with no word), `masked` stays plain autograd's; ordinary models pass."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from capskip import CAPSkip
+from capskip.engine.check import model_grads
+from capskip.engine.types import RowDependenceError
+from capskip.testing import grad_errors
+
+B = 8
+
+
+class PerRowMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h): return h.view_as(h)
+    @staticmethod
+    def backward(ctx, g): return g * (float(B) / g.shape[0])
+
+
+class Averaged(nn.Module):
+    def __init__(self, per_row_mean=True):
+        super().__init__()
+        self.a, self.head, self.mean = nn.Linear(10, 16), nn.Linear(16, 5), per_row_mean
+    def forward(self, x):
+        h = self.a(x)
+        return self.head(torch.tanh(PerRowMean.apply(h) if self.mean else h))
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(B, 10, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,), generator=g)
+
+
+def reference(model, x, y, keep):
+    z = model(x)
+    ((F.cross_entropy(z, y, reduction='none') * keep.double()).sum() / len(y)).backward()
+    return model_grads(model)
+
+
+@pytest.mark.parametrize('mode', ['reforward', 'reuse'])
+def test_a_backward_that_reads_the_batch_size_is_refused_in_one_line(mode):
+    torch.manual_seed(0)
+    model, (x, y) = Averaged().double(), batch()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    with pytest.raises(RowDependenceError) as err:
+        skip.loss(skip(x), y).backward()
+    text = str(err.value)
+    assert '\n' not in text and 'the backward of Averaged' in text and 'mode="masked"' in text, text
+    assert err.value.cause == 'backward'
+
+
+def test_masked_runs_it_as_plain_autograd():
+    torch.manual_seed(0)
+    model, (x, y) = Averaged().double(), batch()
+    ref = copy.deepcopy(model)
+    skip = CAPSkip(model, budget=0.5, mode='masked')
+    skip.loss(skip(x), y).backward()
+    keep = ~skip.last.drop
+    assert 0 < int(keep.sum()) < B
+    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-14
+
+
+@pytest.mark.parametrize('mode', ['reforward', 'reuse'])
+def test_the_same_model_without_the_function_passes_and_is_exact(mode):
+    torch.manual_seed(0)
+    model, (x, y) = Averaged(per_row_mean=False).double(), batch()
+    ref = copy.deepcopy(model)
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    skip.loss(skip(x), y).backward()
+    keep = ~skip.last.drop
+    assert 0 < int(keep.sum()) < B
+    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-12
