@@ -21,7 +21,7 @@ import torch.nn as nn
 from .head import HeadCapture
 from .layouts import factors, graph_layouts, is_rows, problem_summary, row_index, rows_of, sym_expr, views_as_reshapes
 from .probe import INTEGER_PATHS, check_finite, finite_rows, fingerprints, mixing_cause, probe_inputs
-from .rewrites import batch_counts, fuse_tied_embedding_grad
+from .rewrites import batch_counts, fuse_tied_embedding_grad, numbered_bags
 from .types import RowDependenceError, row_dependence_error
 
 log = logging.getLogger('capskip.engine')
@@ -358,7 +358,7 @@ def trace(model: nn.Module, box: HeadCapture, x: torch.Tensor) -> Traced:
     if seeded:
         problems['random masks regenerated in the backward'] = (f'{seeded} draw dropout from a saved seed by position, so a '
             'backward over fewer rows would draw other masks (set the attention dropout to 0 to skip rows)')
-    problems.update(batch_counts(bw))                    # an embedding counting tokens over the batch
+    problems.update(batch_counts(bw) | numbered_bags(bw))   # an embedding counting tokens over the batch, bags by number
     bw_full = copy.deepcopy(bw)
     _rewrite_backward(bw_full, {})
     _rewrite_backward(bw, {} if problems else layouts)
