@@ -147,7 +147,7 @@ def test_graph_layouts_propagate_through_views():
 
 
 class RowGather(nn.Module):
-    "A per-row gather in the forward, then the head: `h[arange(B), idx]` (flat=True: the same through `arange(B) * T + idx`)."
+    "A per-row gather in the forward, then the head: `h[arange(B), idx]` (flat=True: the same through `arange(B) * T + idx`; flat='step': through `arange(0, B·T, T) + idx`)."
     def __init__(self, flat=False):
         super().__init__()
         self.embed, self.fc, self.flat = nn.Linear(4, 8), nn.Linear(8, 3), flat
@@ -156,6 +156,9 @@ class RowGather(nn.Module):
         h = torch.tanh(self.embed(x))
         idx = (x[:, :, 0] > 0).long().cumsum(1).argmax(1)
         rows = torch.arange(x.shape[0], device=x.device)
+        if self.flat == 'step':
+            first = torch.arange(0, x.shape[0] * h.shape[1], h.shape[1], device=x.device)   # each row's first flat position
+            return self.fc(h.reshape(-1, h.shape[-1])[first + idx])
         if self.flat: return self.fc(h.reshape(-1, h.shape[-1])[rows * h.shape[1] + idx])
         return self.fc(h[rows, idx])
 
@@ -192,10 +195,11 @@ def test_a_per_row_gather_in_the_forward_is_exact_in_reuse_on_the_kept_rows(monk
     assert traced.fallback_reason is None and ('arange', 0) in {s[2] for s in traced.bw_inputs if s[0] == 'saved'}
 
 
-def test_an_index_computed_from_the_row_numbers_runs_the_backward_over_all_rows_exactly():
-    "`arange(B) * T + idx` holds the original row numbers: sliced it would scatter to the wrong rows, so it is not sliced."
+@pytest.mark.parametrize('flat', [True, 'step'])
+def test_an_index_computed_from_the_row_numbers_runs_the_backward_over_all_rows_exactly(flat):
+    "`arange(B) * T + idx` or `arange(0, B·T, T) + idx` holds the original row numbers: sliced it would scatter to the wrong rows, so it is not sliced (the stepped one was, and its backward failed with an index out of bounds)."
     torch.manual_seed(0)
-    model = RowGather(flat=True)
+    model = RowGather(flat=flat)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 6, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
     w = GATHER_KEEPS['k=3']

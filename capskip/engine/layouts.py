@@ -13,7 +13,7 @@ import torch.fx as fx
 # %% auto #0
 __all__ = ['VIEW_OPS', 'STRIDED_OPS', 'VIEWS', 'ARANGE_OPS', 'NUMBER_KEEPING_OPS', 'INDEX_OPS', 'views_as_reshapes',
            'problem_summary', 'sym_expr', 'make_layout', 'factors', 'is_rows', 'row_index', 'rows_of', 'view_layout',
-           'is_batch_arange', 'renumbered', 'data_dependent', 'restrides_only', 'graph_layouts']
+           'is_batch_arange', 'is_rows_arange', 'renumbered', 'data_dependent', 'restrides_only', 'graph_layouts']
 
 # %% ../../nbs/01i_layouts.ipynb #8f7f31fa
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
@@ -105,6 +105,12 @@ def is_batch_arange(n: fx.Node, batch) -> bool:
     start, end, step = (0, args[0], 1) if n.target is torch.ops.aten.arange.default else tuple(args + [1])[:3]
     return start == 0 and step == 1 and end == batch
 
+def is_rows_arange(n: fx.Node, batch) -> bool:
+    "Whether the node `n` is an `arange` with one value per row (its length is the batch size) other than `arange(B)`: `arange(0, B·L, L)`, each row's first position in a flat [B·L] list."
+    val = n.meta.get('val')
+    return (n.op == 'call_function' and n.target in ARANGE_OPS and isinstance(val, torch.Tensor) and val.ndim == 1
+            and sym_expr(val.shape[0]) == batch and not is_batch_arange(n, batch))
+
 def renumbered(t: torch.Tensor, layout: tuple, k: int) -> torch.Tensor:
     "What a saved `('arange', d)` value `t` is on `k` kept rows: 0, …, k−1 along dim d, broadcast to `t`'s other dims."
     d, shape, view = layout[1], list(t.shape), [1] * t.ndim
@@ -181,6 +187,7 @@ def graph_layouts(gm: fx.GraphModule, batch, x_node: fx.Node) -> dict:
         if n.op == 'call_function' and n.target is operator.getitem and isinstance(env.get(n.args[0]), list):
             env[n] = env[n.args[0]][n.args[1]]; continue
         if is_batch_arange(n, batch): env[n] = ('arange', 0); continue
+        if is_rows_arange(n, batch): numbered[n] = f'{n.target} (one number per row, not 0…B−1)'
         args = _arg_nodes(list(n.args) + list(n.kwargs.values()))
         inputs = [(('batch', env[a][1]) if env[a][0] == 'arange' else env[a], _dims(a.meta['val'])) for a in args
                   if isinstance(env.get(a), tuple) and isinstance(a.meta.get('val'), torch.Tensor)]
