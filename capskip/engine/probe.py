@@ -46,11 +46,12 @@ def row_confined(bad: torch.Tensor, batch: int, row=0) -> bool:
             if not bool(per_row[others].any()): return True
     return False
 
-def _tensors(obj) -> list[torch.Tensor]:
-    "Tensors inside a module output (tensor, tuple/list, dict)."
+def _tensors(obj, packed: bool = False) -> list[torch.Tensor]:
+    "Tensors inside a module output (tensor, tuple/list, dict); a `PackedSequence`'s only with `packed` (its data lays the rows out by time step, in an order sorted by length: not rows along any dim)."
     if isinstance(obj, torch.Tensor): return [obj]
-    if isinstance(obj, (list, tuple)): return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict): return [t for o in obj.values() for t in _tensors(o)]
+    if isinstance(obj, nn.utils.rnn.PackedSequence) and not packed: return []
+    if isinstance(obj, (list, tuple)): return [t for o in obj for t in _tensors(o, packed)]
+    if isinstance(obj, dict): return [t for o in obj.values() for t in _tensors(o, packed)]
     return []
 
 # %% ../../nbs/01c_probe.ipynb #4f655827
@@ -306,7 +307,7 @@ def kept_outputs(model: nn.Module, x: torch.Tensor) -> list[str]:
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
     refs: list = []
     def keep(module, inputs, output):
-        refs.extend((module, weakref.ref(t)) for t in _tensors(output) if t.requires_grad)
+        refs.extend((module, weakref.ref(t)) for t in _tensors(output, packed=True) if t.requires_grad)
     xin = (x[:2] if x.shape[0] >= 2 else x).detach()
     held = _attribute_tensors(model)                     # what modules held before: a loss a training step stored is not this forward's
     handles = [m.register_forward_hook(keep) for m in model.modules()]
