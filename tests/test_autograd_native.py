@@ -1,6 +1,7 @@
 """The skip inside autograd (issue: "The skipping happens inside `loss.backward()`"): the loss-shaped API, tensor and
 post-accumulate hooks, GradScaler, gradient accumulation, the one host read of a step, and refusals — each checked
 against plain autograd of the kept rows with the zero-gradient-safe metric (`capskip.engine.check.grad_errors`)."""
+import contextlib
 import copy
 import os
 
@@ -225,3 +226,35 @@ def test_ignored_labels_and_a_temperature_follow_cross_entropy(digits, path):
     assert worst <= 1e-5 and overall <= 1e-5, (path, worst)
     with pytest.raises(ValueError, match='temperature must be a number > 0'):
         capskip.CAPSkip(model, temperature=0)
+
+
+def hook_calls(model, x, y, applied, where, run) -> list:
+    "The modules (by position in `model.modules()`) whose full backward hook ran during `run()`, a hook on the head or a global one."
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    calls = []
+    head = capskip.Engine(model).head
+    hook = (head.register_full_backward_hook(lambda m, gi, go: calls.append(order[id(m)])) if where == 'head' else
+            nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: calls.append(order.get(id(m)))))
+    try: run()
+    finally: hook.remove()
+    return sorted(calls)
+
+
+@pytest.mark.parametrize('where', ['head', 'every module'])
+@pytest.mark.parametrize('mode', MODES)
+def test_a_module_full_backward_hook_runs_as_in_autograd(digits, mode, where):
+    "A full backward hook on the head (or a global one on every module) wraps the head's output in BackwardHookFunction: the head check refused it in every mode ('followed by backwardhookfunction'); now it is the identity it is. The probe's backwards set module hooks aside: each hook runs as often as in plain autograd."
+    model, x, y = digits
+    model, twin = copy.deepcopy(model), copy.deepcopy(model)
+    skip = capskip.CAPSkip(model, budget=0.3, mode=mode)
+    def step():
+        with pytest.warns() if mode == 'reuse' else contextlib.nullcontext():   # reuse: dynamo does not trace the hook, reforward runs
+            skip.loss(skip(x), y).backward()
+    got = hook_calls(model, x, y, None, where, step)
+    stats = skip.last
+    assert 0 < int(stats.kept) < len(y)
+    def plain(): (F.cross_entropy(twin(x), y, reduction='none') * stats.applied).sum().div(len(y)).backward()
+    want = hook_calls(twin, x, y, None, where, plain)
+    assert got == want and want, (got, want)
+    worst, overall = grad_errors(model_grads(model), model_grads(twin))
+    assert worst <= 1e-5 and overall <= 1e-5, (mode, where, worst, overall)

@@ -6,15 +6,18 @@
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_hooks
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 
 from .types import buffers_restored
 
 # %% auto #0
-__all__ = ['ZERO_SHARE', 'backward_drift', 'subset_backward']
+__all__ = ['ZERO_SHARE', 'backward_hooks_aside', 'backward_drift', 'subset_backward']
 
 # %% ../../nbs/01ca_backward_probe.ipynb #b2c0a006
 ZERO_SHARE = 1e-3   # our choice, as capskip.engine.check's ZERO_FLOOR: errors relative to at least 1e-3 of the largest gradient
@@ -24,15 +27,32 @@ def _first_rows_output(out, rows: int) -> torch.Tensor | None:
     return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.ndim
                  and t.shape[0] == rows and t.requires_grad), None)
 
-def _grads(model: nn.Module, x: torch.Tensor, rows: slice, w: list, params: list, quiet) -> tuple | None:
-    "Gradients of ⟨w, z[rows]⟩ (z: `_first_rows_output`; `w` drawn on first use, seeded) w.r.t. `params`, buffers and RNG restored."
+@contextlib.contextmanager
+def backward_hooks_aside(model: nn.Module):
+    "Within the block, the module backward hooks of `model` and the global ones are set aside (a probe's backward is not the user's); restored on exit."
+    mods = list(model.modules())
+    saved = [(m._backward_hooks, m._backward_pre_hooks) for m in mods]
+    outer = (module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
+    try:
+        for m in mods: m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
+        module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, (hooks, pre) in zip(mods, saved): m._backward_hooks, m._backward_pre_hooks = hooks, pre
+        module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks = outer
+
+def _grads(model: nn.Module, x: torch.Tensor, rows: slice, w: list, names: list, quiet) -> tuple | None:
+    "Gradients of ⟨w, z[rows]⟩ (z: `_first_rows_output`; `w` drawn on first use, seeded) w.r.t. stand-ins of the parameters `names` (hooks on the parameters and module backward hooks do not run), buffers and RNG restored."
     devices = [x.device] if x.device.type == 'cuda' else []
-    with buffers_restored(model), torch.random.fork_rng(devices=devices), torch.enable_grad(), quiet():
+    params = dict(model.named_parameters())
+    stand_ins = {n: params[n].detach().requires_grad_() for n in names}
+    with buffers_restored(model), torch.random.fork_rng(devices=devices), torch.enable_grad(), quiet(), \
+         _reparametrize_module(model, stand_ins, tie_weights=True), backward_hooks_aside(model):
         z = _first_rows_output(model(x), x.shape[0])
         if z is None: return None
         z = z[rows]
         if not w: w.append(torch.randn(z.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
-        return torch.autograd.grad((z * w[0].to(z.device, z.dtype)).sum(), params, allow_unused=True)
+        return torch.autograd.grad((z * w[0].to(z.device, z.dtype)).sum(), list(stand_ins.values()), allow_unused=True)
 
 def _dense(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     "`g` in float64, dense (zeros where autograd gave no gradient)."
@@ -54,10 +74,11 @@ def backward_drift(full: list, sub: list, params: list) -> float:
 
 def subset_backward(model: nn.Module, x: torch.Tensor, h: int, quiet=contextlib.nullcontext) -> float | None:
     "How far the parameters' gradient from rows h…B−1 of `x` run alone lies from theirs in the whole batch (the other rows' upstream 0): `backward_drift`; None when no parameter takes a gradient or no batch-first float output does (`quiet`: a context for both runs, e.g. no TF32)."
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params: return None
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not names: return None
     w: list = []
-    full = _grads(model, x, slice(h, None), w, params, quiet)
+    full = _grads(model, x, slice(h, None), w, names, quiet)
     if full is None: return None
-    sub = _grads(model, x[h:], slice(None), w, params, quiet)
-    return None if sub is None else backward_drift(full, sub, params)
+    sub = _grads(model, x[h:], slice(None), w, names, quiet)
+    params = dict(model.named_parameters())
+    return None if sub is None else backward_drift(full, sub, [params[n] for n in names])

@@ -52,7 +52,8 @@ def resolve_head(model: nn.Module, head: nn.Module | None = None) -> nn.Module:
 # %% ../../nbs/01b_head.ipynb #c9be4efc
 PASS_THROUGH = {'ViewBackward0', 'UnsafeViewBackward0', 'ReshapeAliasBackward0', 'AliasBackward0', 'CloneBackward0',
                 'ToCopyBackward0', 'SqueezeBackward0', 'SqueezeBackward1', 'SqueezeBackward2', 'SqueezeBackward3',
-                'SqueezeBackward4', 'UnsqueezeBackward0', 'UnsqueezeBackward1'}
+                'SqueezeBackward4', 'UnsqueezeBackward0', 'UnsqueezeBackward1',
+                'BackwardHookFunctionBackward'}   # a module's full backward hook: the identity, its hook sees the gradient
 
 class HeadError(ValueError):
     "The model's output is not its head's output (or no head ran), so the selector would budget the wrong gradient."
