@@ -77,3 +77,31 @@ def test_the_same_model_without_the_function_passes_and_is_exact(mode):
     keep = ~skip.last.drop
     assert 0 < int(keep.sum()) < B
     assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-12
+
+
+class Checkpointed(nn.Module):
+    "A hidden layer under torch.utils.checkpoint (use_reentrant as given)."
+    def __init__(self, reentrant):
+        super().__init__()
+        self.a, self.b, self.head, self.reentrant = nn.Linear(10, 16), nn.Linear(16, 16), nn.Linear(16, 5), reentrant
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(t)), torch.tanh(self.a(x)), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize('reentrant', [True, False])
+def test_reentrant_checkpointing_skips_the_check_and_reforward_says_why_it_cannot(reentrant):
+    "Reentrant checkpointing refuses autograd.grad: the probe's backward check raised its RuntimeError and stopped reuse (which ran before it); reforward's raw RuntimeError is now one line with the fix."
+    torch.manual_seed(0)
+    model, (x, y) = Checkpointed(reentrant).double(), batch()
+    ref = copy.deepcopy(model)
+    skip = CAPSkip(model, budget=0.5, mode='reuse')
+    skip.loss(skip(x), y).backward()
+    keep = ~skip.last.drop
+    assert 0 < int(keep.sum()) < B
+    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-12
+    if reentrant:
+        again = CAPSkip(Checkpointed(True).double(), budget=0.5, mode='reforward')
+        with pytest.raises(RuntimeError) as err:
+            again.loss(again(x), y).backward()
+        assert '\n' not in str(err.value) and 'use_reentrant=False' in str(err.value), str(err.value)

@@ -52,7 +52,10 @@ def _grads(model: nn.Module, x: torch.Tensor, rows: slice, w: list, names: list,
         if z is None: return None
         z = z[rows]
         if not w: w.append(torch.randn(z.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
-        return torch.autograd.grad((z * w[0].to(z.device, z.dtype)).sum(), list(stand_ins.values()), allow_unused=True)
+        try: return torch.autograd.grad((z * w[0].to(z.device, z.dtype)).sum(), list(stand_ins.values()), allow_unused=True)
+        except RuntimeError as err:                      # reentrant checkpointing refuses autograd.grad: no check
+            if 'use_reentrant' in str(err): return None
+            raise
 
 def _dense(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     "`g` in float64, dense (zeros where autograd gave no gradient)."
@@ -73,7 +76,7 @@ def backward_drift(full: list, sub: list, params: list) -> float:
     return worst
 
 def subset_backward(model: nn.Module, x: torch.Tensor, h: int, quiet=contextlib.nullcontext) -> float | None:
-    "How far the parameters' gradient from rows h…B−1 of `x` run alone lies from theirs in the whole batch (the other rows' upstream 0): `backward_drift`; None when no parameter takes a gradient or no batch-first float output does (`quiet`: a context for both runs, e.g. no TF32)."
+    "How far the parameters' gradient from rows h…B−1 of `x` run alone lies from theirs in the whole batch (the other rows' upstream 0): `backward_drift`; None when no parameter takes a gradient, no batch-first float output does, or the backward cannot run under `autograd.grad` (reentrant checkpointing) (`quiet`: a context for both runs, e.g. no TF32)."
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if not names: return None
     w: list = []

@@ -140,7 +140,12 @@ class Reforward(Executor):
              torch.random.fork_rng(devices=devices, enabled=start is not None):
             if start is not None: set_rng_states(start, devices)   # the first forward's masks again
             logits, _ = self.run_model(xk)
-        grads = torch.autograd.grad(logits, list(stand_ins.values()), tangent.to(logits.dtype), allow_unused=True)
+        try: grads = torch.autograd.grad(logits, list(stand_ins.values()), tangent.to(logits.dtype), allow_unused=True)
+        except RuntimeError as err:
+            if 'use_reentrant' not in str(err): raise
+            raise RuntimeError('reforward back-propagates its second forward with torch.autograd.grad, which checkpointing with '
+                               'use_reentrant=True refuses: checkpoint with use_reentrant=False (Hugging Face: gradient_checkpointing_'
+                               'kwargs={"use_reentrant": False}), or use mode="reuse" or "masked"') from None
         missing = [n for (n, _), g in zip(params, grads) if g is None]
         if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         return list(grads)
