@@ -44,6 +44,16 @@ def reference(model, x, y, keep):
     return model_grads(model)
 
 
+def step_error(model, mode, x, y) -> float:
+    "One CAPSkip step of `model` in `mode` (some rows kept, some dropped): the worst zero-gradient-safe error against plain autograd of the kept rows."
+    ref = copy.deepcopy(model)
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    skip.loss(skip(x), y).backward()
+    keep = ~skip.last.drop
+    assert 0 < int(keep.sum()) < B
+    return max(grad_errors(model_grads(model), reference(ref, x, y, keep)))
+
+
 @pytest.mark.parametrize('mode', ['reforward', 'reuse'])
 def test_a_backward_that_reads_the_batch_size_is_refused_in_one_line(mode):
     torch.manual_seed(0)
@@ -58,25 +68,13 @@ def test_a_backward_that_reads_the_batch_size_is_refused_in_one_line(mode):
 
 def test_masked_runs_it_as_plain_autograd():
     torch.manual_seed(0)
-    model, (x, y) = Averaged().double(), batch()
-    ref = copy.deepcopy(model)
-    skip = CAPSkip(model, budget=0.5, mode='masked')
-    skip.loss(skip(x), y).backward()
-    keep = ~skip.last.drop
-    assert 0 < int(keep.sum()) < B
-    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-14
+    assert step_error(Averaged().double(), 'masked', *batch()) <= 1e-14
 
 
 @pytest.mark.parametrize('mode', ['reforward', 'reuse'])
 def test_the_same_model_without_the_function_passes_and_is_exact(mode):
     torch.manual_seed(0)
-    model, (x, y) = Averaged(per_row_mean=False).double(), batch()
-    ref = copy.deepcopy(model)
-    skip = CAPSkip(model, budget=0.5, mode=mode)
-    skip.loss(skip(x), y).backward()
-    keep = ~skip.last.drop
-    assert 0 < int(keep.sum()) < B
-    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-12
+    assert step_error(Averaged(per_row_mean=False).double(), mode, *batch()) <= 1e-12
 
 
 class Checkpointed(nn.Module):
@@ -93,13 +91,8 @@ class Checkpointed(nn.Module):
 def test_reentrant_checkpointing_skips_the_check_and_reforward_says_why_it_cannot(reentrant):
     "Reentrant checkpointing refuses autograd.grad: the probe's backward check raised its RuntimeError and stopped reuse (which ran before it); reforward's raw RuntimeError is now one line with the fix."
     torch.manual_seed(0)
-    model, (x, y) = Checkpointed(reentrant).double(), batch()
-    ref = copy.deepcopy(model)
-    skip = CAPSkip(model, budget=0.5, mode='reuse')
-    skip.loss(skip(x), y).backward()
-    keep = ~skip.last.drop
-    assert 0 < int(keep.sum()) < B
-    assert max(grad_errors(model_grads(model), reference(ref, x, y, keep))) <= 1e-12
+    x, y = batch()
+    assert step_error(Checkpointed(reentrant).double(), 'reuse', x, y) <= 1e-12
     if reentrant:
         again = CAPSkip(Checkpointed(True).double(), budget=0.5, mode='reforward')
         with pytest.raises(RuntimeError) as err:
