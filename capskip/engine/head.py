@@ -258,7 +258,7 @@ def _head_call(model: nn.Module, x: torch.Tensor, head: nn.Module | None = None)
         with buffers_restored(model), torch.enable_grad(), torch.random.fork_rng(devices=devices):
             out = model(xin)
     except (RuntimeError, IndexError) as err:                # a torch op refused the first rows alone
-        if xin.shape[0] == x.shape[0]: raise
+        if xin.shape[0] == x.shape[0] or str(err).startswith('capskip'): raise   # the whole batch, or capskip's own refusal
         raise ValueError(f'{type(getattr(model, "model", model)).__name__} failed on the first {xin.shape[0]} rows of its input alone ({type(err).__name__}: '
                          f'{str(err).splitlines()[0][:160] if str(err) else ""}): CAPSkip takes dim 0 of the first input tensor as the '
                          f'rows ({x.shape[0]} here) and runs subsets of them; pass the rows batch-first, e.g. bags of tokens as a '
