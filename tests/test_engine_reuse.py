@@ -201,8 +201,9 @@ def test_graph_level_probe_refuses_without_the_eager_probe():
         _aot.trace(bn, HeadCapture(bn[-1]), torch.randn(4, 3, 8, 8))
 
 
-def test_eval_mode_batchnorm_buffers_and_a_shared_layer():
-    "Buffers (BatchNorm running statistics in eval mode) are graph inputs; a layer used twice gets both gradients."
+@pytest.mark.parametrize('mode', ['reforward', 'reuse'])
+def test_eval_mode_batchnorm_buffers_and_a_shared_layer(mode):
+    "Buffers (BatchNorm running statistics in eval mode) are graph inputs; a layer used twice gets both gradients, and keeps its own Parameters (reforward's swap to stand-ins left them in the model: gradient error 1.0, the optimizer's parameters gone)."
     from test_engine import bn_cnn
     model = bn_cnn()
     with torch.no_grad():
@@ -214,8 +215,10 @@ def test_eval_mode_batchnorm_buffers_and_a_shared_layer():
     x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
     w = (torch.arange(6) % 2 == 0).float()
     ref = autograd_grads(full, x, y, w, seed=1)
-    kept, got = engine_grads(Engine(full, 'reuse'), x, y, w)
+    owned = [id(p) for p in full.parameters()]
+    kept, got = engine_grads(Engine(full, mode), x, y, w)
     assert kept == 3 and grad_errors(got, ref)[0] <= 1e-5
+    assert [id(p) for p in full.parameters()] == owned
 
 
 def test_views_of_one_storage_are_gathered_once_and_exactly():

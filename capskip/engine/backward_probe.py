@@ -11,13 +11,12 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_hooks
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 
-from .types import buffers_restored
+from .types import buffers_restored, parameters_swapped
 
 # %% auto #0
-__all__ = ['ZERO_SHARE', 'backward_hooks_aside', 'backward_drift', 'subset_backward']
+__all__ = ['ZERO_SHARE', 'HOOK_TABLES', 'hooks_aside', 'backward_drift', 'subset_backward']
 
 # %% ../../nbs/01ca_backward_probe.ipynb #b2c0a006
 ZERO_SHARE = 1e-3   # our choice, as capskip.engine.check's ZERO_FLOOR: errors relative to at least 1e-3 of the largest gradient
@@ -27,19 +26,24 @@ def _first_rows_output(out, rows: int) -> torch.Tensor | None:
     return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.ndim
                  and t.shape[0] == rows and t.requires_grad), None)
 
+HOOK_TABLES = ('_backward_hooks', '_backward_pre_hooks', '_forward_hooks', '_forward_hooks_with_kwargs',
+               '_forward_hooks_always_called')   # set aside by `hooks_aside`; forward pre-hooks stay (pruning masks, weight norm)
+
 @contextlib.contextmanager
-def backward_hooks_aside(model: nn.Module):
-    "Within the block, the module backward hooks of `model` and the global ones are set aside (a probe's backward is not the user's); restored on exit."
+def hooks_aside(model: nn.Module):
+    "Within the block, the module backward hooks and forward (post-)hooks of `model` and the global ones are set aside (a probe's backward is not the user's: a forward hook that hooks the output's gradient would see it); restored on exit."
     mods = list(model.modules())
-    saved = [(m._backward_hooks, m._backward_pre_hooks) for m in mods]
-    outer = (module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
+    saved = [[getattr(m, t) for t in HOOK_TABLES] for m in mods]
+    outer = [getattr(module_hooks, '_global' + t) for t in HOOK_TABLES]
     try:
-        for m in mods: m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
-        module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks = OrderedDict(), OrderedDict()
+        for m in mods:
+            for t in HOOK_TABLES: setattr(m, t, OrderedDict())
+        for t in HOOK_TABLES: setattr(module_hooks, '_global' + t, OrderedDict())
         yield
     finally:
-        for m, (hooks, pre) in zip(mods, saved): m._backward_hooks, m._backward_pre_hooks = hooks, pre
-        module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks = outer
+        for m, tables in zip(mods, saved):
+            for t, v in zip(HOOK_TABLES, tables): setattr(m, t, v)
+        for t, v in zip(HOOK_TABLES, outer): setattr(module_hooks, '_global' + t, v)
 
 def _grads(model: nn.Module, x: torch.Tensor, rows: slice, w: list, names: list, quiet) -> tuple | None:
     "Gradients of ⟨w, z[rows]⟩ (z: `_first_rows_output`; `w` drawn on first use, seeded) w.r.t. stand-ins of the parameters `names` (hooks on the parameters and module backward hooks do not run), buffers and RNG restored."
@@ -47,7 +51,7 @@ def _grads(model: nn.Module, x: torch.Tensor, rows: slice, w: list, names: list,
     params = dict(model.named_parameters())
     stand_ins = {n: params[n].detach().requires_grad_() for n in names}
     with buffers_restored(model), torch.random.fork_rng(devices=devices), torch.enable_grad(), quiet(), \
-         _reparametrize_module(model, stand_ins, tie_weights=True), backward_hooks_aside(model):
+         parameters_swapped(model, stand_ins), hooks_aside(model):
         z = _first_rows_output(model(x), x.shape[0])
         if z is None: return None
         z = z[rows]

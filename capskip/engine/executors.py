@@ -14,7 +14,7 @@ from .head import HeadCapture
 from .node import full_rows_of, hand_over, kept_indices, kept_rows_of, skip_forward
 from .probe import RowProbe, cleared_caches, stored_tensors, unreached_error
 from .rewrites import COUNTS_CAUSE, frequency_scaled
-from .types import Forward
+from .types import Forward, parameters_swapped
 
 # %% auto #0
 __all__ = ['compiled_forward', 'mark_rows_dynamic', 'Executor', 'autocast_state', 'rng_states', 'set_rng_states', 'Dense',
@@ -123,7 +123,6 @@ class Reforward(Executor):
 
     def param_grads(self, mode: str, state, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
         "Gradients of `params` from a second forward of the kept rows (on detached stand-ins: hooks fire once, in autograd)."
-        from torch.nn.utils.stateless import _reparametrize_module
         x, (amp_on, amp_dtype), start = state
         if start is None and not self.counts_tokens():   # deterministic forward, no counts over the batch: the kept rows only
             rows = kept_indices(keep, kept)
@@ -136,7 +135,7 @@ class Reforward(Executor):
         held = stored_tensors(self.model)                # what a forward reads but does not store anew may be a cache
         devices = [x.device] if x.device.type == 'cuda' else []
         with torch.enable_grad(), torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_on), \
-             _reparametrize_module(self.model, stand_ins, tie_weights=True), cleared_caches(self.model), \
+             parameters_swapped(self.model, stand_ins), cleared_caches(self.model), \
              torch.random.fork_rng(devices=devices, enabled=start is not None):
             if start is not None: set_rng_states(start, devices)   # the first forward's masks again
             logits, _ = self.run_model(xk)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 # %% auto #0
 __all__ = ['MODES', 'FIXES', 'Forward', 'RowDependenceError', 'row_dependence_message', 'row_dependence_error',
-           'buffers_restored']
+           'buffers_restored', 'parameters_swapped']
 
 # %% ../../nbs/01a_types.ipynb #1c5e2488
 MODES = ('dense', 'masked', 'reforward', 'reuse')
@@ -81,3 +81,14 @@ def buffers_restored(model: nn.Module):
         with torch.no_grad():
             for n, b in model.named_buffers():
                 if n in buffers: b.copy_(buffers[n])
+
+# %% ../../nbs/01a_types.ipynb #a1b2c005
+@contextlib.contextmanager
+def parameters_swapped(model: nn.Module, tensors: dict):
+    "Within the block, the parameters of `model` named in `tensors` are those tensors (tied names alike); on exit every module holds its own Parameter objects again, a module under two names too."
+    from torch.nn.utils.stateless import _reparametrize_module
+    own = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()]
+    try:
+        with _reparametrize_module(model, tensors, tie_weights=True): yield
+    finally:
+        for m, name, p in own: m._parameters[name] = p
