@@ -16,10 +16,12 @@ from torch.utils._pytree import tree_leaves
 from .types import buffers_restored, parameters_swapped
 
 # %% auto #0
-__all__ = ['ZERO_SHARE', 'HOOK_TABLES', 'hooks_aside', 'backward_drift', 'subset_backward']
+__all__ = ['ZERO_SHARE', 'BACKWARD_TOL', 'HOOK_TABLES', 'hooks_aside', 'backward_drift', 'subset_backward']
 
 # %% ../../nbs/01ca_backward_probe.ipynb #b2c0a006
 ZERO_SHARE = 1e-3   # our choice, as capskip.engine.check's ZERO_FLOOR: errors relative to at least 1e-3 of the largest gradient
+BACKWARD_TOL = {2: 0.25, 4: 1e-2, 8: 1e-2}   # by bytes per parameter value. Measured: a bf16 ViT-tiny (32 rows) drifts 0.04,
+                                            # fp32 models ~1e-6; a backward that reads the batch size drifts by ≥ 1 at h = B/2
 
 def _first_rows_output(out, rows: int) -> torch.Tensor | None:
     "The first floating tensor in `out` whose dim 0 holds the `rows` and that takes a gradient (None if none)."

@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .backward_probe import subset_backward
+from .backward_probe import BACKWARD_TOL, subset_backward
 from .rewrites import frequency_scaled
 from .types import RowDependenceError, buffers_restored, row_dependence_error
 
@@ -296,7 +296,7 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
                                        f'output depends on the batch size or on a row\'s position, {INTEGER_PATHS}', 'batch_size')
     if frequency_scaled(model): return                   # counts over the batch: reforward and reuse run every row for it
     drift = subset_backward(model, clean, h, lambda: _NoTF32(clean.device.type == 'cuda'))
-    tol = SUBSET_TOL.get(min((p.element_size() for p in model.parameters() if p.requires_grad), default=4), 1e-2)
+    tol = BACKWARD_TOL.get(min((p.element_size() for p in model.parameters() if p.requires_grad), default=4), 1e-2)
     if drift is not None and drift > tol:
         raise row_dependence_error(f'the backward of {type(model).__name__}', f"the parameters' gradient from rows {h}-"
                                    f'{batch - 1} run alone came out {drift:.2g} (relative) away from theirs in the whole batch of {batch}', 'backward')
