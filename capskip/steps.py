@@ -17,7 +17,7 @@ from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, 
 from .engine import Engine
 from .engine.facade import sequence_grad_logits
 from .engine.head import LogitMap
-from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, probe_leaf
+from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, note_rule_rows, probe_leaf
 from .selector import last_layer_grad
 from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs, exp_floor, floor_softmax, sequence_candidates,
                               token_correct)
@@ -178,6 +178,7 @@ def step_loss(engine: Engine, logits: Tensor, features: Tensor, y: Tensor, weigh
     den = loss_denominator(B, counted, denominator)
     per_row = F.cross_entropy(at_least_float32(logits) / temperature, y, reduction='none', label_smoothing=label_smoothing)
     loss = (per_row * d.applied).sum() / den                         # dropped rows: exactly zero upstream gradient
+    note_rule_rows(logits, d.applied > 0)                            # a skipping node then says when another term runs more rows
     if d.lastfix is not None:
         check_unscaled_head(engine, "reweight='det_lastfix'", LASTFIX_SCALED_FIX)
         loss = loss + lastfix_grad(engine.head, res, features, d.lastfix, den * temperature)
@@ -287,6 +288,7 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     else: tok = token_losses(z, y, ignore_index, None if split is None else split.lse)   # values only: no [B·L, V] temporary; top-k: lse − z_y, no pass
     per_row = tok.sum(1)
     softmax = (split.peak.view(B, L), split.total.view(B, L)) if split is not None and temperature == 1.0 else None
+    if graph: note_rule_rows(logits, applied > 0)                  # a skipping node then says when another term runs more rows
     if graph and temperature == 1.0: loss = SequenceCE.apply(logits, per_row, y, applied, den, ignore_index, softmax, probe_leaf())
     else: loss = (per_row * applied.to(per_row.dtype)).sum() / den.to(per_row.dtype)   # dropped rows: exactly zero upstream gradient
     losses = per_row.detach()

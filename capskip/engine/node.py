@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .head import pass_chain
 from .types import Forward
 
 # %% auto #0
 __all__ = ['FIRST_ORDER_ERROR', 'LASTFIX_FIRST_ORDER_ERROR', 'nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of',
-           'same_tensor', 'trainable', 'SkipNode', 'hand_over', 'probe_leaf', 'whole_backward', 'may_hand_over',
-           'first_order', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad', 'routed',
-           'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
+           'same_tensor', 'trainable', 'SkipNode', 'hand_over', 'note_rule_rows', 'probe_leaf', 'whole_backward',
+           'may_hand_over', 'first_order', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad',
+           'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -63,12 +66,30 @@ class SkipNode:
     stream: Any = None                     # the backward under way: an iterator of each stage's gradients
     rows_grad: torch.Tensor | None = None  # the kept rows' upstream gradient [kept, ...], handed over beside autograd (`hand_over`)
     marker: torch.Tensor | None = None     # the stride-0 zero autograd carries in its place
+    rule_keep: torch.Tensor | None = None  # bool [B]: the rows the loss's rule kept (`note_rule_rows`): to say when another term made the backward run more
 
 def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
     "Give `node` the kept rows' upstream gradient [kept, ...] beside autograd; returns the stride-0 zero to back-propagate from `logits` instead."
     node.keep, node.kept, node.rows_grad = keep, kept, rows_grad
     node.marker = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
     return node.marker
+
+def note_rule_rows(logits: torch.Tensor, keep: torch.Tensor) -> None:
+    "Tell the node that made `logits` (its output, or a cast or view of it: `pass_chain`) the rows a loss's rule kept (bool [B], joined to those of an earlier loss): its backward says when it runs others."
+    node = next((f.node for f in pass_chain(logits.grad_fn) if isinstance(f, SkipBackward._backward_cls)), None)
+    if node is None: return
+    node.rule_keep = keep if node.rule_keep is None else node.rule_keep | keep
+
+def _beyond_rule(node: SkipNode, B: int, kept: int, beyond: int) -> None:
+    "Warn once per executor that another term's gradient made the backward run `beyond` of the B rows the rule dropped."
+    ex = node.executor
+    if getattr(ex, 'warned_beyond_rule', False): return
+    ex.warned_beyond_rule = True
+    msg = (f'capskip {node.mode}: a term of the loss besides skip.loss sent gradient to {beyond} row(s) that the rule dropped, '
+           f'so this backward ran {kept} of {B} rows (exact, but nothing saved on those rows); StepStats.kept and the '
+           'counters count the rows the rule kept. Compute that term on the kept rows only (StepStats.applied > 0) to save '
+           'them (warned once)')
+    logging.getLogger('capskip.engine').warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 def probe_leaf() -> torch.Tensor:
     "A leaf made for one backward's `whole_backward` check: an input of the loss's autograd Function, so that its `AccumulateGrad` sits in the graph."
@@ -103,8 +124,15 @@ def _start(node: SkipNode, grad_logits: torch.Tensor):
         else:                                                               # a gradient was added on the way: place the rows in it
             grad_logits = grad_logits.index_add(0, kept_indices(node.keep, node.kept), rows_grad.to(grad_logits.dtype))
             node.keep = node.kept = None                                    # its non-zero rows decide
-    keep = nonzero_rows(grad_logits) if node.keep is None else node.keep
-    kept = int(keep.sum()) if node.kept is None else node.kept   # the step's one host read
+    rule, node.rule_keep = node.rule_keep, None
+    if node.keep is not None: keep, kept = node.keep, node.kept
+    else:
+        keep = nonzero_rows(grad_logits)
+        if rule is None or rule.shape != keep.shape: kept = int(keep.sum())   # the step's one host read
+        else:                                                           # the same read, with the rows beyond the rule's
+            n = keep.shape[0] + 1
+            kept, beyond = divmod(int(keep.sum() * n + (keep & ~rule.to(keep.device)).sum()), n)   # two counts ≤ B in one read
+            if beyond: _beyond_rule(node, rule.shape[0], kept, beyond)
     node.keep, node.kept = keep, kept
     state, node.state, ex = node.state, None, node.executor
     if kept and len(node.groups) > 1:

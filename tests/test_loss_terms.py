@@ -1,0 +1,127 @@
+"""A loss term beside `skip.loss` (`capskip.engine.node.note_rule_rows`, `nbs/01k_node.ipynb`): a z-loss, an entropy
+bonus or a distillation term on every row's logits sends gradient to rows the rule dropped. The backward runs them
+(exact: plain autograd of the kept rows' cross-entropy plus the term), and says once that nothing was saved on them
+while `StepStats.kept` counts the rule's rows (before: the same gradient, and the statistics claimed the skipped rows
+with no word). A term on the kept rows alone, or on the parameters, gives no word."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from capskip.engine.check import grad_errors, model_grads
+from capskip.skip import CAPSkip
+from capskip.testing import digits_tensors, trained_digits_mlp
+
+transformers.logging.set_verbosity_error()
+B, L, V = 6, 8, 64
+MODES = ['reuse', 'reforward']
+WORD = 'besides skip.loss sent gradient to'
+
+
+def lm():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).double()
+
+
+def lm_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, L), generator=g)
+    return {'input_ids': ids, 'labels': ids}
+
+
+def z_loss(z): return 1e-1 * z.logsumexp(-1).square().mean()               # PaLM's auxiliary z-loss, every row
+def kept_z_loss(applied): return lambda z: z_loss(z[applied > 0])          # the same term on the kept rows alone
+def entropy(z): return 1e-1 * (z.softmax(-1) * z.log_softmax(-1)).sum(-1).mean()
+
+
+def lm_step(mode, term, record=True):
+    "One `skip.loss(...) + term(logits)` backward of the GPT-2 on float64: (its gradients, the applied weights, the kept count it recorded, the capskip warnings)."
+    model = lm()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        z = skip(**lm_batch())
+        loss = skip.loss(z)
+        applied = skip.last.applied
+        (loss + term(applied)(z) if term is kept_z_loss else loss + term(z)).backward()
+    skip.close()
+    return model_grads(model), applied, int(skip.last.kept), [str(w.message) for w in caught if 'capskip' in str(w.message)]
+
+
+def lm_reference(applied, term):
+    "Plain autograd on float64: the kept sequences' shifted token CE over the batch's labelled tokens, plus the term."
+    model = lm()
+    batch = lm_batch()
+    z = model(input_ids=batch['input_ids']).logits
+    y = batch['labels'][:, 1:]
+    tok = F.cross_entropy(z[:, :-1].flatten(0, 1), y.flatten(), reduction='none').view(y.shape)
+    loss = (tok.sum(1) * applied.double()).sum() / y.numel()
+    (loss + term(applied)(z) if term is kept_z_loss else loss + term(z)).backward()
+    return model_grads(model)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('term', [z_loss, entropy], ids=['z_loss', 'entropy'])
+def test_a_term_on_every_rows_logits_is_exact_and_said(mode, term):
+    got, applied, kept, said = lm_step(mode, term)
+    dropped = int((applied == 0).sum())
+    assert 0 < dropped < B and kept == B - dropped          # the record: the rule's rows
+    top, rel = grad_errors(got, lm_reference(applied, term))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    assert len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0] and f'ran {B} of {B} rows' in said[0], said
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_term_on_the_kept_rows_alone_says_nothing(mode):
+    got, applied, _, said = lm_step(mode, kept_z_loss)
+    assert 0 < int((applied == 0).sum()) < B
+    top, rel = grad_errors(got, lm_reference(applied, kept_z_loss))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    assert said == []
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_classifier_with_a_z_loss(mode):
+    X, Y, _, _ = digits_tensors()
+    x, y = X[:64].double(), Y[:64]
+    model = trained_digits_mlp().double()
+    skip = CAPSkip(model, budget=0.3, mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for step in range(2):                                # warned once per engine
+            model.zero_grad()
+            z = skip(x)
+            (skip.loss(z, y) + z_loss(z)).backward()
+    applied = skip.last.applied
+    dropped = int((applied == 0).sum())
+    assert 0 < dropped < 64
+    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    assert len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
+    ref = trained_digits_mlp().double()
+    zr = ref(x)
+    ((F.cross_entropy(zr, y, reduction='none') * applied.double()).sum().div(64) + z_loss(zr)).backward()
+    top, rel = grad_errors(model_grads(model), model_grads(ref))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_cast_of_the_logits_is_followed_to_its_forward(mode):
+    "`skip.loss(z.float(), y) + term(z.float())`: the rule's rows reach the node through the cast (`pass_chain`)."
+    X, Y, _, _ = digits_tensors()
+    x, y = X[:64].double(), Y[:64]
+    model = trained_digits_mlp().double()
+    skip = CAPSkip(model, budget=0.3, mode=mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        z = skip(x).float()
+        (skip.loss(z, y) + z_loss(z)).backward()
+    dropped = int((skip.last.applied == 0).sum())
+    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    assert dropped > 0 and len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
+    skip.close()
