@@ -61,3 +61,24 @@ def test_lm_flag_on_an_image_model_and_unknown_config_are_one_line(capsys):
     with pytest.raises(SystemExit) as e: check_main(['--model', 'hf:nosuch', '--lm'])
     err = capsys.readouterr().err
     assert e.value.code == 2 and 'unknown causal-LM config' in err and 'Traceback' not in err
+
+
+def test_a_config_larger_than_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    "A 7B Llama's config.json: one line naming its size and the fix, before anything is allocated (before: the check built 27 GB of float32 parameters, 4 copies of them, and the process was killed for its memory with no word)."
+    import json
+    import resource
+    import capskip.cli.method as method
+    path = tmp_path / 'config.json'
+    path.write_text(json.dumps(dict(model_type='llama', vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                    num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096)))
+    monkeypatch.setattr(method, 'available_bytes', lambda: 24 * 2**30)   # as on this 24 GiB machine, whatever runs the test
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(SystemExit) as exit_:
+        check_main(['--model', f'hf:{path}', '--lm'])
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1].startswith('capskip check: error: --model hf:') and 'builds 6.74B parameters' in said[-1], said
+    assert '"num_hidden_layers": 2' in said[-1] and '100.4 GiB' in said[-1]
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024 < 2**30   # nothing of its size was allocated
+    monkeypatch.setattr(method, 'available_bytes', lambda: 2**40)        # a machine with 1 TiB free: no refusal
+    assert method.too_big(method.meta_params(lambda: hf_causal_lm(str(path))), method.available_bytes()) is None

@@ -27,8 +27,8 @@ def seed_value(text: str) -> int:
 
 
 # %% auto #0
-__all__ = ['SEED_MAX', 'seed_value', 'select_demo_parser', 'select_demo_main', 'valid_token_inputs', 'plain_forward_error',
-           'check_parser', 'check_main']
+__all__ = ['SEED_MAX', 'CHECK_COPIES', 'seed_value', 'select_demo_parser', 'select_demo_main', 'available_bytes', 'meta_params',
+           'too_big', 'valid_token_inputs', 'plain_forward_error', 'check_parser', 'check_main']
 
 # %% ../../nbs/09a_cli_method.ipynb #e53c03da
 def _digits_model_and_batch(steps: int, batch: int, seed: int):
@@ -95,6 +95,32 @@ def select_demo_main(argv: list[str] | None = None) -> int:
     for name, value in rows: print(f'  {name:<30} {value}')
     print(f'  ({time.perf_counter() - start:.1f} s)')
     return 0
+
+# %% ../../nbs/09a_cli_method.ipynb #c7a5e002
+CHECK_COPIES = 4   # float32 copies of the parameters the check holds at once (the model, its copy without stochastic layers, the gradients of a mode and of plain autograd): our count of capskip.engine.check.gradient_check
+
+def available_bytes() -> int | None:
+    "The memory this machine has available now (Linux's `MemAvailable`), None where it cannot be read."
+    try:
+        with open('/proc/meminfo') as f:
+            return next((int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:')), None)
+    except (OSError, ValueError, IndexError): return None
+
+def meta_params(build) -> int | None:
+    "The parameters of the model `build()` makes, built on the meta device (shapes only, nothing allocated); None if it cannot be built there."
+    import torch
+    try:
+        with torch.device('meta'): return sum(p.numel() for p in build().parameters())
+    except Exception: return None                       # the real build says what is wrong, in one line
+
+def too_big(n_params: int | None, available: int | None, config: bool = True, copies: int = CHECK_COPIES) -> str | None:
+    "Why a model of `n_params` float32 parameters does not fit the check in `available` bytes (the fix: a small config, or a smaller variant), or None."
+    if n_params is None or available is None or 4 * copies * n_params <= available: return None
+    fix = ('from a copy of its config.json with fewer layers and a smaller width (e.g. "num_hidden_layers": 2, '
+           '"hidden_size": 64, "intermediate_size": 128)') if config else 'a smaller variant of it'
+    return (f'builds {n_params / 1e9:.2f}B parameters; the check holds about {copies} float32 copies of them '
+            f'({4 * copies * n_params / 2**30:.1f} GiB) and this machine has {available / 2**30:.1f} GiB available: '
+            f'check the same architecture at a small size, {fix}')
 
 # %% ../../nbs/09a_cli_method.ipynb #b4758c4e
 def _build_model(name: str, num_classes: int, img: int) -> nn.Module:
@@ -205,9 +231,12 @@ def check_main(argv: list[str] | None = None) -> int:
     from capskip.engine.types import RowDependenceError
     from capskip.runs.text import HF_LM_CONFIGS, example_inputs, hf_causal_lm
     lm_config = ns.model.startswith('hf:') and (ns.lm or ns.model[3:] in HF_LM_CONFIGS)   # a causal LM from a config
+    build = (lambda: hf_causal_lm(ns.model[3:])) if lm_config else (lambda: _build_model(ns.model, ns.num_classes, ns.img))
     try:
         device = torch.device(ns.device)
-        model = (hf_causal_lm(ns.model[3:]) if lm_config else _build_model(ns.model, ns.num_classes, ns.img)).to(device)
+        big = too_big(meta_params(build), available_bytes(), ns.model.startswith('hf:')) if device.type == 'cpu' else None
+        if big: p.error(f'--model {ns.model} {big}')      # before it is built: a model larger than memory is killed with no word
+        model = build().to(device)
     except (ValueError, RuntimeError) as err:      # an unknown model name or device: one line, exit 2
         p.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
     except Exception as err:                       # a model whose constructor fails (a bad config.json): one line
