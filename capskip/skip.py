@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
 from .engine.head import built_by, pass_chain, passes_through
+from .engine.node import note_all_rows
 from .engine.inputs import split_labels
 from .engine.types import Forward
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
@@ -222,7 +223,14 @@ class CAPSkip:
                                     denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index, cap=cap)
         record(self.stats, stats)
         self.last = stats
+        if logits.requires_grad and torch.is_grad_enabled():   # a backward over every row is said in `stats` and the counters
+            note_all_rows(logits, lambda: self._all_rows(stats))
         return loss
+
+    def _all_rows(self, stats: StepStats) -> None:
+        "The backward of `stats`' step ran every row though the rule dropped some (exact, no saving): recorded there and in the counters (`all_rows_steps`)."
+        stats.all_rows = True
+        self.stats.add('all_rows_steps', 1)
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
         "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) and the logits' soft cap."
@@ -251,6 +259,7 @@ class CAPSkip:
                 with torch.no_grad(): self.loss(fwd.logits, y, weights, shift_labels=shift_labels)   # the rule and the statistics
                 kept = self.engine.loss_backward(fwd, self._labels(fwd.logits, y, shift_labels)[1], self.last.applied,
                                                  ignore_index=o.ignore_index, softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
+                if fwd.all_rows: self._all_rows(self.last)
             else:
                 self.loss(fwd.logits, y, weights, shift_labels=shift_labels).backward()
                 kept = int(self.last.kept)               # the step's one host read

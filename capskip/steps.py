@@ -42,7 +42,7 @@ class StepStats:
     drop: Tensor              # [B] bool, rows selected for dropping by the inner rule (before re-weighting)
     correct: Tensor           # 0-d long, forwarded rows the model classified correctly
     should_step: bool = True  # take an optimizer step now (Selective-Backprop pools rows across steps)
-    all_rows: bool = False    # `step`: the backward ran over every row though some were dropped (reuse could not slice: exact, no saving)
+    all_rows: bool = False    # the backward ran every row though some were dropped (reuse could not slice; reforward drew random masks or counted tokens): exact, no saving; `CAPSkip.loss`'s is set by its backward
     token_softmax: tuple | None = None   # sequence rows, top-k Gram, temperature 1: each token's (max logit, Σ exp(z − max)), [B, L] each, from its softmax pass
 
 # %% ../nbs/01m_steps.ipynb #24e8a859
@@ -74,6 +74,7 @@ def epoch_counters(raw: dict[str, float]) -> dict[str, float]:
 def record(counters: DeviceCounters, s: StepStats) -> None:
     "Add one step's statistics to the epoch sums (no host read)."
     counters.add('rows_forwarded', s.forwarded); counters.add('rows_backprop', s.kept); counters.add('steps', 1)
+    if s.all_rows: counters.add('all_rows_steps', 1)             # the backward ran every row: rows_backprop counts the rule's
     counters.add('distortion_sum', s.distortion); counters.add('loss_sum', s.loss_sum)
 
 # %% ../nbs/01m_steps.ipynb #a2b3d67e

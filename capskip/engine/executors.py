@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ from .types import Forward, parameters_swapped
 
 # %% auto #0
 __all__ = ['compiled_forward', 'mark_rows_dynamic', 'Executor', 'autocast_state', 'rng_states', 'set_rng_states', 'Dense',
-           'Masked', 'Reforward']
+           'Masked', 'ReforwardState', 'Reforward']
 
 # %% ../../nbs/01d_executors.ipynb #3847e4b0
 def _forward_entry(model, box, x):
@@ -106,6 +107,14 @@ class Masked(Dense):
 
 
 # %% ../../nbs/01d_executors.ipynb #709cda0b
+@dataclass
+class ReforwardState:
+    "What a reforward forward leaves for its backward: the batch, the autocast state, the RNG states when it drew random numbers."
+    x: torch.Tensor
+    autocast: tuple
+    start: list | None
+    all_rows: bool = False               # set by the backward: its second forward ran every row though some were dropped
+
 class Reforward(Executor):
     "Forward every row without autograd; the backward re-runs the forward of the kept rows only, with autograd (every row, from the same RNG state, when the forward drew random numbers; every row when an embedding counts tokens over the batch)."
     mode = 'reforward'
@@ -119,16 +128,16 @@ class Reforward(Executor):
             with torch.no_grad():
                 logits, feats = self.run_model(x)
         drew = any(not torch.equal(a, b) for a, b in zip(start, rng_states(devices)))
-        return Forward(logits, feats, self.mode, state=(x, autocast_state(x.device.type), start if drew else None))
+        return Forward(logits, feats, self.mode, state=ReforwardState(x, autocast_state(x.device.type), start if drew else None))
 
     def param_grads(self, mode: str, state, grad_logits: torch.Tensor, keep: torch.Tensor, kept: int, params: list) -> list:
         "Gradients of `params` from a second forward of the kept rows (on detached stand-ins: hooks fire once, in autograd)."
-        x, (amp_on, amp_dtype), start = state
+        x, (amp_on, amp_dtype), start = state.x, state.autocast, state.start
         if start is None and not self.counts_tokens():   # deterministic forward, no counts over the batch: the kept rows only
             rows = kept_indices(keep, kept)
             xk, tangent = x.index_select(0, rows), kept_rows_of(grad_logits, keep, kept)
         else:                                            # random masks (dropout) depend on the batch: every row, same RNG
-            xk = x
+            xk, state.all_rows = x, kept < keep.shape[0] # recorded: Forward.all_rows, StepStats.all_rows
             tangent = full_rows_of(grad_logits, keep, kept)
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}

@@ -20,9 +20,9 @@ from .types import Forward
 
 # %% auto #0
 __all__ = ['FIRST_ORDER_ERROR', 'LASTFIX_FIRST_ORDER_ERROR', 'nonzero_rows', 'kept_indices', 'kept_rows_of', 'full_rows_of',
-           'same_tensor', 'trainable', 'SkipNode', 'hand_over', 'note_rule_rows', 'probe_leaf', 'whole_backward',
-           'may_hand_over', 'first_order', 'SkipBackward', 'SkipStage', 'skip_forward', 'InjectGrad', 'inject_grad',
-           'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
+           'same_tensor', 'trainable', 'SkipNode', 'hand_over', 'node_of', 'note_rule_rows', 'note_all_rows',
+           'probe_leaf', 'whole_backward', 'may_hand_over', 'first_order', 'SkipBackward', 'SkipStage', 'skip_forward',
+           'InjectGrad', 'inject_grad', 'routed', 'data_parallel_wrapper', 'inside_ddp_forward', 'unsynced_forward']
 
 # %% ../../nbs/01k_node.ipynb #1c9cd3a4
 def nonzero_rows(grad_logits: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,8 @@ class SkipNode:
     rows_grad: torch.Tensor | None = None  # the kept rows' upstream gradient [kept, ...], handed over beside autograd (`hand_over`)
     marker: torch.Tensor | None = None     # the stride-0 zero autograd carries in its place
     rule_keep: torch.Tensor | None = None  # bool [B]: the rows the loss's rule kept (`note_rule_rows`): to say when another term made the backward run more
+    on_all_rows: Any = None                # the loss's record, called once if the backward ran every row though the rule kept fewer (`note_all_rows`)
+    spent: Any = None                      # the state the backward under way took (its `all_rows`, once the first stage ran)
 
 def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
     "Give `node` the kept rows' upstream gradient [kept, ...] beside autograd; returns the stride-0 zero to back-propagate from `logits` instead."
@@ -74,11 +76,24 @@ def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, kee
     node.marker = torch.zeros((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
     return node.marker
 
+def node_of(logits: torch.Tensor) -> SkipNode | None:
+    "The node that made `logits` (its output, or a cast or view of it: `pass_chain`), or None."
+    return next((f.node for f in pass_chain(logits.grad_fn) if isinstance(f, SkipBackward._backward_cls)), None)
+
 def note_rule_rows(logits: torch.Tensor, keep: torch.Tensor) -> None:
-    "Tell the node that made `logits` (its output, or a cast or view of it: `pass_chain`) the rows a loss's rule kept (bool [B], joined to those of an earlier loss): its backward says when it runs others."
-    node = next((f.node for f in pass_chain(logits.grad_fn) if isinstance(f, SkipBackward._backward_cls)), None)
-    if node is None: return
-    node.rule_keep = keep if node.rule_keep is None else node.rule_keep | keep
+    "Tell the node that made `logits` the rows a loss's rule kept (bool [B], joined to those of an earlier loss): its backward says when it runs others."
+    node = node_of(logits)
+    if node is not None: node.rule_keep = keep if node.rule_keep is None else node.rule_keep | keep
+
+def note_all_rows(logits: torch.Tensor, tell) -> None:
+    "Have the node that made `logits` call `tell()` once if its backward runs every row though the rule kept fewer (the executor's `all_rows`: `Forward.all_rows`)."
+    node = node_of(logits)
+    if node is not None: node.on_all_rows = tell
+
+def _told_all_rows(node: SkipNode) -> None:
+    "After the backward's first stage (the executor has chosen its rows by then): `on_all_rows()` if it ran every row though the rule kept fewer."
+    state, tell, node.spent, node.on_all_rows = node.spent, node.on_all_rows, None, None
+    if tell is not None and getattr(state, 'all_rows', False): tell()
 
 def _beyond_rule(node: SkipNode, B: int, kept: int, beyond: int) -> None:
     "Warn once per executor that another term's gradient made the backward run `beyond` of the B rows the rule dropped."
@@ -135,6 +150,7 @@ def _start(node: SkipNode, grad_logits: torch.Tensor):
             if beyond: _beyond_rule(node, rule.shape[0], kept, beyond)
     node.keep, node.kept = keep, kept
     state, node.state, ex = node.state, None, node.executor
+    node.spent = state
     if kept and len(node.groups) > 1:
         return iter(ex.param_grad_stages(node.mode, state, grad_logits, keep, kept, node.params, node.groups))
     if kept == 0: grads = [torch.zeros_like(p) for _, p in node.params]   # as a masked backward would give
@@ -182,6 +198,7 @@ class SkipBackward(torch.autograd.Function):
         node = ctx.node
         node.stream = _start(node, grad_logits)
         grads = _stage_grads(node, 0)
+        _told_all_rows(node)
         token = None if ctx.token_device is None else torch.zeros((), device=ctx.token_device)   # lets stage 1 run
         return (None, None, token, *grads)
 

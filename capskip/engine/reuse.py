@@ -258,7 +258,7 @@ class Reuse(Executor):
         if id(traced) in self.warned: return
         self.warned[id(traced)] = traced
         msg = (f'capskip reuse: the backward of {model_name(self.model)} runs over all rows (exact, no saving): {why}; '
-               'StepStats.all_rows and Forward.all_rows record each such step (warned once per graph)')
+               'StepStats.all_rows, the counters\' all_rows_steps and Forward.all_rows record each such step (warned once per graph)')
         log.warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def sliced_backward(self, traced: Traced, saved: list, B: int) -> tuple:
