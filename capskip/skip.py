@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
 from .engine.head import built_by, pass_chain, passes_through
-from .engine.node import note_all_rows
 from .engine.inputs import split_labels
+from .engine.node import note_all_rows
 from .engine.types import Forward
 from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, det_scale_factor,
                               rw_multipliers, rwp_multipliers)
@@ -134,10 +134,14 @@ class Made:
         mark = None if self.mark is None else self.mark()
         return mark is not None and t.shape == self.shape and marked_through(t, mark)
 
-def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bool]) -> Tensor | None:
-    "The head's input `feats` [..., d] viewed as `logits` views the forward's logits [..., C] (or a cast of them: `whole(t)` says) on its leading dims, the last dim whole (e.g. `out[:, :-1]`, `out[:4]`); None for any other tensor."
+def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bool], out: Tensor | None = None) -> Tensor | None:
+    "The head's input `feats` [..., d] viewed as `logits` views the forward's logits `out` [..., C] (or a cast of them: `whole(t)` says) on its leading dims, the last dim whole (e.g. `out[:, :-1]`, `out[:4]`); None for any other tensor."
     base = logits._base
-    if base is None or not base.is_contiguous() or base.shape[:-1] != feats.shape[:-1] or not whole(base): return None
+    if base is None: return None
+    if (out is not None and out.is_contiguous() and out.shape[:-1] == feats.shape[:-1]
+            and logits.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()):
+        base = out                                      # `out` is itself a view (a Linear on [B, L, d] input): `_base` is [B·L, C]
+    elif not base.is_contiguous() or base.shape[:-1] != feats.shape[:-1] or not whole(base): return None
     C = base.shape[-1]
     if logits.ndim != base.ndim or logits.shape[-1] != C or logits.stride(-1) != 1: return None
     off = logits.storage_offset() - base.storage_offset()               # token t of base.view(-1, C) starts at t·C
@@ -197,7 +201,7 @@ class CAPSkip:
         "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
         for made in reversed(self._recent):
             if made.whole(logits): return made.features, made.labels, True, made.cap
-            sliced = aligned_features(logits, made.features, made.whole)   # a slice of its rows or positions, e.g. logits[:, :-1]
+            sliced = aligned_features(logits, made.features, made.whole, made.logits())   # a slice of its rows or positions, e.g. logits[:, :-1]
             if sliced is not None: return sliced, None, False, made.cap
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 

@@ -78,3 +78,17 @@ def test_reforward_with_dropout_records_its_second_forward_over_every_row(mode, 
     assert 0 < int(skip.last.kept) < 32
     assert skip.last.all_rows == ran_every_row
     assert skip.counters().get('all_rows_steps', 0) == (1 if ran_every_row else 0)
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'reforward'])
+def test_a_shifted_slice_of_the_logits_records_it_too(mode):
+    "`skip.loss(z[:, :-1], y[:, 1:])`: the node is found through the slice."
+    x, y = batch()
+    torch.manual_seed(0)
+    skip = capskip.CAPSkip(CountingLM().double(), budget=0.9, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        z = skip(x)
+        skip.loss(z[:, :-1], y[:, 1:]).backward()
+    assert 0 < int(skip.last.kept) < B and skip.last.all_rows
+    assert skip.counters()['all_rows_steps'] == 1

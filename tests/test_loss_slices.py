@@ -123,3 +123,32 @@ def test_a_cast_of_logits_whose_object_is_gone(mode):
         grads.append(model_grads(model)); skip.close()
     top, rel = grad_errors(grads[1], grads[0])
     assert top == 0 and rel == 0, (top, rel)
+
+
+class ViewLM(torch.nn.Module):
+    "A nanoGPT-style head: an nn.Linear on a contiguous [B, L, d] input returns logits that are a view of a [B·L, V] result."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid, self.head = torch.nn.Embedding(V, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, V)
+    def forward(self, x): return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_shifted_slice_of_logits_that_are_a_view(mode):
+    "Before: refused with the line telling the user to call skip(x), which they had (the slice's `_base` is the [B·L, V] result)."
+    ids, _, _ = lm_batch()
+    model = ViewLM().double()
+    ref_model = ViewLM().double()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    z = skip(ids)
+    assert z._base is not None and z._base.shape == (B * L, V)
+    skip.loss(z[:, :-1], ids[:, 1:]).backward()
+    keep = skip.last.applied > 0
+    assert 0 < int(keep.sum()) < B
+    zr = ref_model(ids)[:, :-1]
+    tok = F.cross_entropy(zr.flatten(0, 1), ids[:, 1:].flatten(), reduction='none').view(B, L - 1)
+    ((tok.sum(1) * keep.double()).sum() / tok.numel()).backward()
+    top, rel = grad_errors(model_grads(model), model_grads(ref_model))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    skip.close()

@@ -125,3 +125,19 @@ def test_a_cast_of_the_logits_is_followed_to_its_forward(mode):
     said = [str(w.message) for w in caught if WORD in str(w.message)]
     assert dropped > 0 and len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
     skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_the_loop_that_shifts_the_logits_itself(mode):
+    "`skip.loss(z[:, :-1], labels[:, 1:]) + z_loss(z)`, the common causal-LM loop: the rule's rows reach the node through the slice."
+    model = lm()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    ids = lm_batch()['input_ids']
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        z = skip(input_ids=ids)
+        (skip.loss(z[:, :-1], ids[:, 1:]) + z_loss(z)).backward()
+    dropped = int((skip.last.applied == 0).sum())
+    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    assert 0 < dropped < B and len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
+    skip.close()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .head import pass_chain
+from .head import PASS_THROUGH, pass_chain
 from .types import Forward
 
 # %% auto #0
@@ -77,8 +77,9 @@ def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, kee
     return node.marker
 
 def node_of(logits: torch.Tensor) -> SkipNode | None:
-    "The node that made `logits` (its output, or a cast or view of it: `pass_chain`), or None."
-    return next((f.node for f in pass_chain(logits.grad_fn) if isinstance(f, SkipBackward._backward_cls)), None)
+    "The node that made `logits`: its output, a cast or view of it (`pass_chain`), or a slice (`logits[:, :-1]`, the loop that shifts them itself); else None."
+    chain = pass_chain(logits.grad_fn, PASS_THROUGH | {'SliceBackward0'})
+    return next((f.node for f in chain if isinstance(f, SkipBackward._backward_cls)), None)
 
 def note_rule_rows(logits: torch.Tensor, keep: torch.Tensor) -> None:
     "Tell the node that made `logits` the rows a loss's rule kept (bool [B], joined to those of an earlier loss): its backward says when it runs others."
