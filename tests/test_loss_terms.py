@@ -53,6 +53,16 @@ def lm_step(mode, term, record=True):
     return model_grads(model), applied, int(skip.last.kept), [str(w.message) for w in caught if 'capskip' in str(w.message)]
 
 
+def digits_skip(mode):
+    "The trained digits MLP on float64 under `CAPSkip(budget=0.3)`, and 64 of its rows: (model, skip, x, y)."
+    X, Y, _, _ = digits_tensors()
+    model = trained_digits_mlp().double()
+    return model, CAPSkip(model, budget=0.3, mode=mode), X[:64].double(), Y[:64]
+
+
+def said_of(caught): return [str(w.message) for w in caught if WORD in str(w.message)]
+
+
 def lm_reference(applied, term):
     "Plain autograd on float64: the kept sequences' shifted token CE over the batch's labelled tokens, plus the term."
     model = lm()
@@ -87,10 +97,7 @@ def test_a_term_on_the_kept_rows_alone_says_nothing(mode):
 
 @pytest.mark.parametrize('mode', MODES)
 def test_a_classifier_with_a_z_loss(mode):
-    X, Y, _, _ = digits_tensors()
-    x, y = X[:64].double(), Y[:64]
-    model = trained_digits_mlp().double()
-    skip = CAPSkip(model, budget=0.3, mode=mode)
+    model, skip, x, y = digits_skip(mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         for step in range(2):                                # warned once per engine
@@ -100,7 +107,7 @@ def test_a_classifier_with_a_z_loss(mode):
     applied = skip.last.applied
     dropped = int((applied == 0).sum())
     assert 0 < dropped < 64
-    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    said = said_of(caught)
     assert len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
     ref = trained_digits_mlp().double()
     zr = ref(x)
@@ -113,16 +120,13 @@ def test_a_classifier_with_a_z_loss(mode):
 @pytest.mark.parametrize('mode', MODES)
 def test_a_cast_of_the_logits_is_followed_to_its_forward(mode):
     "`skip.loss(z.float(), y) + term(z.float())`: the rule's rows reach the node through the cast (`pass_chain`)."
-    X, Y, _, _ = digits_tensors()
-    x, y = X[:64].double(), Y[:64]
-    model = trained_digits_mlp().double()
-    skip = CAPSkip(model, budget=0.3, mode=mode)
+    model, skip, x, y = digits_skip(mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         z = skip(x).float()
         (skip.loss(z, y) + z_loss(z)).backward()
     dropped = int((skip.last.applied == 0).sum())
-    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    said = said_of(caught)
     assert dropped > 0 and len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
     skip.close()
 
@@ -138,6 +142,6 @@ def test_the_loop_that_shifts_the_logits_itself(mode):
         z = skip(input_ids=ids)
         (skip.loss(z[:, :-1], ids[:, 1:]) + z_loss(z)).backward()
     dropped = int((skip.last.applied == 0).sum())
-    said = [str(w.message) for w in caught if WORD in str(w.message)]
+    said = said_of(caught)
     assert 0 < dropped < B and len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0], said
     skip.close()
