@@ -91,7 +91,7 @@ def top_split(z: Tensor, k: int, dt: torch.dtype, labels: Tensor | None = None) 
     keep_at = U is not None and U.numel() * T <= _AT_ELEMENTS           # else the pair terms gather p at U from z (bounded memory)
     norm, top = torch.empty(T, dtype=dt, device=dev), torch.empty(T, kk, dtype=dt, device=dev)
     step, floor = max(1, _PASS_ELEMENTS // V), exp_floor(dt)
-    group = max(step, _STAGE_ELEMENTS // V // step * step) if keep_at else T   # rows staged per transposed write
+    group = max(step, _STAGE_ELEMENTS // U.numel() // step * step) if keep_at else T   # rows staged per transposed write: [group, u] ≤ 2²²
     c = torch.empty(min(step, T), V, dtype=dt, device=dev)               # one reused chunk: no [T, V] temporary
     at = torch.empty(U.numel(), T, dtype=dt, device=dev) if keep_at else None
     q = torch.empty(min(group, T), U.numel(), dtype=dt, device=dev) if keep_at else None   # a group's p at U, row-major
