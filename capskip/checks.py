@@ -69,8 +69,11 @@ def check_logits_targets(logits: Tensor, targets: Tensor, label_smoothing: float
             if B and not (bool((targets >= 0).all()) and bool(((targets.sum(1) - 1).abs() <= 1e-3).all())):
                 raise ValueError('soft targets must be probabilities: entries ≥ 0 and each row summing to 1')
         elif B and not bool(((targets >= 0) & (targets < C)).all()):
-            raise ValueError(f'targets must lie in [0, {C}) for {C} classes; got values outside '
-                             '(ignore_index rows are not supported: remove them before selecting)')
+            rows = ((targets < 0) | (targets >= C)).nonzero().flatten()[:3]
+            raise ValueError(f'targets must lie in [0, {C}) for {C} classes (the logits\' last dimension); got '
+                             f'{targets[rows].tolist()} at rows {rows.tolist()}: check the labels against the model\'s '
+                             f'outputs (skip.loss leaves rows labelled ignore_index, -100, out of the loss; ce_residuals and '
+                             f'select take no such rows)')
         require_finite('logits', logits)
 
 # %% ../nbs/00c_input_checks.ipynb #7c833717

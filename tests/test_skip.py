@@ -49,6 +49,19 @@ def test_unknown_keyword_is_one_line_naming_the_fields():
     with pytest.raises(ValueError, match='unknown candidate rule'): SkipOptions(candidates='some')
 
 
+@pytest.mark.parametrize('mode', ['reuse', 'reforward', 'masked'])
+def test_a_label_out_of_range_at_the_door_is_named(mode):
+    "A label ≥ C (a head with fewer outputs than classes) is one line naming it and its row; the door takes -100 rows."
+    skip = CAPSkip(tiny_mlp(in_features=6, num_classes=5), mode=mode)
+    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 5
+    with pytest.raises(ValueError) as e: skip.loss(skip(x), torch.where(torch.arange(8) == 2, 7, y))
+    msg = str(e.value)
+    assert '\n' not in msg and 'must lie in [0, 5)' in msg and 'got [7] at rows [2]' in msg and 'not supported' not in msg
+    y[2] = -100                                          # what the line says the door takes: left out of the loss
+    skip.loss(skip(x), y).backward()
+    assert float(skip.last.applied[2]) == 0.0
+
+
 def test_policy_ramp_replaces_the_options_budget():
     pol = create_policy('capskip', tiny_mlp(), mode='masked', budget=0.4, ramp_epochs=4)
     budgets = []
