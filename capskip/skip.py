@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
-from .engine.head import built_by, pass_chain, passes_through
+from .engine.head import GATHER_OPS, PASS_THROUGH, built_by, pass_chain, passes_through
 from .engine.inputs import split_labels
 from .engine.node import note_all_rows
 from .engine.types import Forward
@@ -117,13 +117,15 @@ def marked_through(t: Tensor, mark: Mark) -> bool:
 class Made:
     "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels, the soft cap of its logits (`LogitMap.cap`)."
     logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
+    place: tuple = ()    # (storage address, storage offset) of contiguous logits: their geometry once their object is gone
 
     @classmethod
     def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None) -> Made:
         mark = None
         if logits.grad_fn is not None:
             mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
-        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap)
+        place = (logits.untyped_storage().data_ptr(), logits.storage_offset()) if logits.is_contiguous() else ()
+        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place)
 
     def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
 
@@ -133,6 +135,17 @@ class Made:
         if out is not None: return passes_through(t, out)
         mark = None if self.mark is None else self.mark()
         return mark is not None and t.shape == self.shape and marked_through(t, mark)
+
+    def viewed(self, t: Tensor) -> Tensor | None:
+        "These logits, or once their object is gone, when `t` is a view taken of them (found by the mark, the same memory): a stand-in with their geometry over `t`'s memory (e.g. `skip(x)[:, :-1]` of logits that are a view of a [B·L, V] result, whose `_base` is that result)."
+        out = self.logits()
+        if out is not None or not self.place or t._base is None: return out
+        mark = None if self.mark is None else self.mark()
+        if mark is None or t.untyped_storage().data_ptr() != self.place[0]: return None
+        if not any(n.metadata.get(FORWARD_TAG) is mark for n in pass_chain(t.grad_fn, PASS_THROUGH | GATHER_OPS)): return None
+        stride = [1]
+        for n in reversed(self.shape[1:]): stride.insert(0, stride[0] * n)
+        return t.detach().as_strided(self.shape, stride, self.place[1])
 
 def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bool], out: Tensor | None = None) -> Tensor | None:
     "The head's input `feats` [..., d] viewed as `logits` views the forward's logits `out` [..., C] (or a cast of them: `whole(t)` says) on its leading dims, the last dim whole (e.g. `out[:, :-1]`, `out[:4]`); None for any other tensor."
@@ -201,7 +214,7 @@ class CAPSkip:
         "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
         for made in reversed(self._recent):
             if made.whole(logits): return made.features, made.labels, True, made.cap
-            sliced = aligned_features(logits, made.features, made.whole, made.logits())   # a slice of its rows or positions, e.g. logits[:, :-1]
+            sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]
             if sliced is not None: return sliced, None, False, made.cap
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 

@@ -152,3 +152,29 @@ def test_a_shifted_slice_of_logits_that_are_a_view(mode):
     top, rel = grad_errors(model_grads(model), model_grads(ref_model))
     assert top < 1e-12 and rel < 1e-12, (top, rel)
     skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_slice_of_view_logits_whose_object_is_gone(mode):
+    "`skip.loss(skip(x)[:, :-1], y)` on a nanoGPT-style head: the logits' object dies at once and the slice's `_base` is the [B·L, V] result; the forward's mark and the memory they share find it (before: refused with the line telling the user to call skip(x))."
+    ids, _, _ = lm_batch()
+    grads, kept = [], []
+    for keep_alive in (True, False):
+        model = ViewLM().double()
+        skip = CAPSkip(model, budget=0.5, mode=mode)
+        if keep_alive:
+            z = skip(ids); loss = skip.loss(z[:, :-1], ids[:, 1:])
+        else:
+            zs = skip(ids)[:, :-1]
+            gc.collect()
+            assert zs._base.shape == (B * L, V)          # the logits' own object is gone: only the flat result is held
+            loss = skip.loss(zs, ids[:, 1:])
+        loss.backward()
+        kept.append(skip.last.applied.clone()); grads.append(model_grads(model)); skip.close()
+    assert torch.equal(kept[0], kept[1]) and 0 < int((kept[0] > 0).sum()) < B
+    top, rel = grad_errors(grads[1], grads[0])
+    assert top == 0 and rel == 0, (top, rel)
+    with pytest.raises(ValueError, match='not a tensor computed from them'):   # a slice of another tensor's memory is not taken for it
+        skip = CAPSkip(ViewLM().double(), budget=0.5, mode=mode)
+        zs = skip(ids)[:, :-1]
+        skip.loss(zs.detach().clone().requires_grad_()[:, :-1], ids[:, 1:-1])
