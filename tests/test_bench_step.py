@@ -63,12 +63,16 @@ def test_backward_floor_is_the_reference_backward_over_dense():
     # reuse's other phases (50 + 1 + 0.5 + 5) + the floor's backward (40) + the copy (11), over the dense step (150)
     assert floor[0]['copy_bound'] == pytest.approx(107.5 / 150) and floor[0]['copy_bound_overhead'] == pytest.approx(107.5 / 150 - 1.7 / 3)
     assert 'copy_bound' not in floor[1]                                               # no copy time measured at 0.69
+    # what no selector changes: dense's forward (50) + the floor's backward (40) + dense's optimizer (5), over 150
+    assert floor[0]['forward_share'] == pytest.approx(50 / 150) and floor[0]['floor_step'] == pytest.approx(95 / 150)
+    assert floor[0]['floor_step_overhead'] == pytest.approx(95 / 150 - 1.7 / 3) and floor[1]['floor_step'] == pytest.approx(125 / 150)
     text = format_floor(floor).splitlines()
-    assert len(text) == 4 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
-    assert 'reuse gathers 105.0 MiB per step' in text[1] and "takes 11.0 ms (27.5% of the floor's backward)" in text[1]   # 11 of 40 ms
+    assert len(text) == 6 and text[0].startswith('k=0.35: eager backward over the kept rows = 0.400')
+    assert "dense's forward is 0.333 of its step" in text[1] and 'make 0.633 of the dense step (+0.067 over (1+2k)/3)' in text[1]
+    assert 'reuse gathers 105.0 MiB per step' in text[2] and "takes 11.0 ms (27.5% of the floor's backward)" in text[2]   # 11 of 40 ms
     assert floor[0]['copy_share'] == pytest.approx(11 / 40)
     assert floor[0]['copy_bound_ms'] == pytest.approx(107.5) and floor[0]['reuse_phases_ms'] == pytest.approx(98.5)
-    assert "floor's time plus that copy: 107.5 ms against its 98.5 ms (phase medians summed), 0.717 of the dense step, +0.150 over (1+2k)/3" in text[2]
+    assert "floor's time plus that copy: 107.5 ms against its 98.5 ms (phase medians summed), 0.717 of the dense step, +0.150 over (1+2k)/3" in text[3]
 
 
 def test_reuse_over_floor_is_the_median_of_paired_ratios():

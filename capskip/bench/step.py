@@ -92,10 +92,8 @@ class RSSSampler:
 # %% ../../nbs/08b_bench_step.ipynb #43bde12a
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     "Bytes of parameters and optimizer state (live before every step)."
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for st in opt.state.values():
-        total += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-    return total
+    return (sum(p.numel() * p.element_size() for p in model.parameters())
+            + sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)))
 
 # %% ../../nbs/08b_bench_step.ipynb #e7641d0a
 class StepRunner:
@@ -344,6 +342,8 @@ def backward_floor(rows: list[dict]) -> list[dict]:
                'reuse_over_floor_iqr': tuple(reuse.get('bw_floor_iqr', (ratio, ratio))), 'paired': 'bw_floor' in reuse,
                'excess_ms': reuse['backward'] - floor['backward'],
                'fixed_share': (reuse['selector'] + reuse['gather']) / reuse['step_ms'] if reuse['step_ms'] else float('nan')}
+        d = by[('dense', 1.0)]; row['forward_share'] = d['forward'] / d['step_ms']   # what no selector changes: every row's forward, the floor's backward
+        row['floor_step'] = fs = (d['forward'] + floor['backward'] + d['optimizer']) / d['step_ms']; row['floor_step_overhead'] = fs - mode_ideal('reuse', k)
         row.update({key: reuse[key] for key in ('saved_mib', 'gathered_mib', 'floor_saved_mib', 'bandwidth_gbs', 'gather_copy_ms', 'gather_alone_ms')
                     if key in reuse})
         if math.isfinite(reuse.get('gather_copy_ms', math.nan)):   # reuse's other phases + the floor's backward + the copy
@@ -369,6 +369,9 @@ def format_floor(rows: list[dict]) -> str:
         lines.append(f'k={show_k(r["k"])}: eager backward over the kept rows = {r["floor_share"]:.3f} of the dense backward '
                      f'(k = {r["k"]:.3f}); reuse backward = {r["reuse_over_floor"]:.3f} x that ({_how(r)}; medians differ by {r["excess_ms"]:+.1f} ms); '
                      f'selector + gather phases = {100 * r["fixed_share"]:.2f}% of the reuse step')
+        if 'floor_step' in r: lines.append(f'        dense\'s forward is {r["forward_share"]:.3f} of its step ((1+2k)/3 takes 1/3); every row\'s forward, '
+                                           f'the floor\'s backward and the optimizer make {r["floor_step"]:.3f} of the dense step '
+                                           f'({r["floor_step_overhead"]:+.3f} over (1+2k)/3) before any selector or gather')
         if 'gathered_mib' in r:
             lines.append(f'        reuse gathers {r["gathered_mib"]:.1f} MiB per step (the kept rows of {r["saved_mib"]:.1f} MiB of '
                          f'saved activations); the floor reads its own {r["floor_saved_mib"]:.1f} MiB in place and gathers 0; '
