@@ -109,22 +109,22 @@ FORWARD_TAG = 'capskip_forward'    # the key of a forward's `Mark` in its logits
 class Mark:
     "A forward's mark, kept in its logits' autograd node (`metadata`): it lives as long as that node, so a cast of logits whose own Python object is gone (`skip(x).float()` of bf16 logits) still finds its forward."
 
-def marked_through(t: Tensor, mark: Mark) -> bool:
-    "Whether `t` comes from the node that holds `mark` through `PASS_THROUGH` ops alone (a cast, a same-shape view)."
-    return any(node.metadata.get(FORWARD_TAG) is mark for node in pass_chain(t.grad_fn))
+def marked_through(t: Tensor, mark: Mark, ops: set = PASS_THROUGH) -> bool:
+    "Whether `t` comes from the node that holds `mark` through `ops` alone (default `PASS_THROUGH`: a cast, a same-shape view)."
+    return any(node.metadata.get(FORWARD_TAG) is mark for node in pass_chain(t.grad_fn, ops))
 
 @dataclass
 class Made:
     "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels, the soft cap of its logits (`LogitMap.cap`)."
     logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
-    place: tuple = ()    # (storage address, storage offset) of contiguous logits: their geometry once their object is gone
+    place: tuple = ()    # (storage address, storage offset, strides) of contiguous logits: their geometry once their object is gone
 
     @classmethod
     def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None) -> Made:
         mark = None
         if logits.grad_fn is not None:
             mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
-        place = (logits.untyped_storage().data_ptr(), logits.storage_offset()) if logits.is_contiguous() else ()
+        place = (logits.untyped_storage().data_ptr(), logits.storage_offset(), logits.stride()) if logits.is_contiguous() else ()
         return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place)
 
     def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
@@ -141,11 +141,9 @@ class Made:
         out = self.logits()
         if out is not None or not self.place or t._base is None: return out
         mark = None if self.mark is None else self.mark()
-        if mark is None or t.untyped_storage().data_ptr() != self.place[0]: return None
-        if not any(n.metadata.get(FORWARD_TAG) is mark for n in pass_chain(t.grad_fn, PASS_THROUGH | GATHER_OPS)): return None
-        stride = [1]
-        for n in reversed(self.shape[1:]): stride.insert(0, stride[0] * n)
-        return t.detach().as_strided(self.shape, stride, self.place[1])
+        ptr, offset, stride = self.place
+        if mark is None or t.untyped_storage().data_ptr() != ptr or not marked_through(t, mark, PASS_THROUGH | GATHER_OPS): return None
+        return t.detach().as_strided(self.shape, stride, offset)
 
 def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bool], out: Tensor | None = None) -> Tensor | None:
     "The head's input `feats` [..., d] viewed as `logits` views the forward's logits `out` [..., C] (or a cast of them: `whole(t)` says) on its leading dims, the last dim whole (e.g. `out[:, :-1]`, `out[:4]`); None for any other tensor."
