@@ -50,7 +50,12 @@ WORKER = textwrap.dedent('''
         model.zero_grad(set_to_none=True)
     dist.sync_policy(ib, n_rows)
     nxt = ib.plan_epoch(1, 4, n_rows, 32)
-    torch.save({'grads': grads, 'applied': stats.applied, 'idx': idx, 'kept': stats.kept,
+    # 3) the epoch's counters, as the runner reduces them: only rank 1 had steps whose backward ran every row
+    own = {'rows_forwarded': 40.0 - 16 * r, 'rows_backprop': 10.0 + r, 'loss_sum': 1.0 + r, 'mean_distortion': 0.1 * (r + 1),
+           'steps': 3.0, **({'all_rows_steps': 2.0} if r == 1 else {})}
+    counted, correct = dist.reduce_counters(own, torch.tensor(3 + r))
+    torch.save({'counted': counted, 'correct': correct,
+                'grads': grads, 'applied': stats.applied, 'idx': idx, 'kept': stats.kept,
                 'scores': ib.state_dict()['scores'], 'plan0': torch.cat(plan.batches),
                 'plan1': torch.cat(nxt.batches), 'weights1': nxt.weights}, f'{out}/rank{r}.pt')
     dist.close()
@@ -121,6 +126,14 @@ def test_infobatch_state_merges_and_plans_agree(two_ranks):
     assert set(union.tolist()) == set(kept.tolist())                   # shards cover the plan's rows
     assert len(set(a['plan1'].tolist()) & set(b['plan1'].tolist())) <= 1   # disjoint up to DistributedSampler padding
     assert 0 < len(kept) < 300
+
+
+def test_epoch_counters_are_reduced_over_processes(two_ranks):
+    "Rows and losses summed, the distortion averaged, all_rows_steps the most of any process even where process 0 has none."
+    for res in two_ranks:
+        c = res['counted']
+        assert (c['rows_forwarded'], c['rows_backprop'], c['loss_sum'], c['steps'], int(res['correct'])) == (64, 21, 3, 3, 7)
+        assert c['all_rows_steps'] == 2 and abs(c['kept_fraction'] - 21 / 64) < 1e-12 and abs(c['mean_distortion'] - 0.15) < 1e-12
 
 
 def test_torchrun_train_end_to_end(tmp_path):

@@ -13,9 +13,12 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['DistInfo', 'init_distributed']
+__all__ = ['SUMMED_COUNTERS', 'MOST_COUNTERS', 'DistInfo', 'init_distributed']
 
 # %% ../../nbs/05f_distributed.ipynb #008ac2d9
+SUMMED_COUNTERS = ('rows_forwarded', 'rows_backprop', 'loss_sum')   # each process's own rows
+MOST_COUNTERS = ('all_rows_steps',)   # steps: the most on any process (a step counts once, however many processes ran every row in it)
+
 @dataclass
 class DistInfo:
     "This process's place in a data-parallel run and the collectives the runner uses."
@@ -40,17 +43,25 @@ class DistInfo:
         ids = [self.device.index if self.device.index is not None else self.local_rank] if self.device.type == 'cuda' else None
         return DistributedDataParallel(model, device_ids=ids)
 
+    def _all_reduce(self, values: list[float], op) -> list[float]:
+        "`values` reduced over processes with `op` (float64, on the GPU under NCCL)."
+        t = torch.tensor(values, dtype=torch.float64)
+        t = t.to(self.device) if self.device.type == 'cuda' else t
+        tdist.all_reduce(t, op=op)
+        return t.cpu().tolist()
+
     def reduce_counters(self, counters: dict, correct: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        "Sum row counts and losses over processes; average the distortion; pruned rows come from the shared plan."
-        keys = ['rows_forwarded', 'rows_backprop', 'loss_sum', 'mean_distortion']
-        vals = torch.tensor([float(counters.get(k) or 0.0) for k in keys] + [float(correct)], dtype=torch.float64)
-        vals = vals.to(self.device) if self.device.type == 'cuda' else vals
-        tdist.all_reduce(vals, op=tdist.ReduceOp.SUM)
-        vals = vals.cpu().tolist()
-        out = dict(counters, **dict(zip(keys, vals)))
-        out['mean_distortion'] = vals[3] / self.world_size if counters.get('mean_distortion') is not None else None
-        out['kept_fraction'] = vals[1] / vals[0] if vals[0] else None
-        return out, torch.tensor(int(round(vals[4])))
+        "Sum row counts and losses over processes (`SUMMED_COUNTERS`), average the distortion, and take the most of `MOST_COUNTERS`; a counter any process has is in the result; the rest (the shared plan's, the step count) are this process's."
+        names = SUMMED_COUNTERS + MOST_COUNTERS
+        summed = self._all_reduce([float(counters.get(k) or 0.0) for k in SUMMED_COUNTERS]
+                                  + [float(counters.get('mean_distortion') or 0.0), float(correct)], tdist.ReduceOp.SUM)
+        most = self._all_reduce([float(counters.get(k) or 0.0) for k in MOST_COUNTERS]
+                                + [float(k in counters) for k in names], tdist.ReduceOp.MAX)
+        values = dict(zip(names, summed[:len(SUMMED_COUNTERS)] + most[:len(MOST_COUNTERS)]))
+        out = dict(counters, **{k: values[k] for k, present in zip(names, most[len(MOST_COUNTERS):]) if present})
+        out['mean_distortion'] = summed[-2] / self.world_size if counters.get('mean_distortion') is not None else None
+        out['kept_fraction'] = out['rows_backprop'] / out['rows_forwarded'] if out.get('rows_forwarded') else None
+        return out, torch.tensor(int(round(summed[-1])))
 
     def snapshot_policy(self, policy) -> None:
         "Remember the policy state after planning an epoch (what `sync_policy` compares against)."
