@@ -28,9 +28,9 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
                            record, run_step, sequence_loss, shifted_labels, step_loss)
 
 # %% auto #0
-__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FORWARD_TAG', 'SkipOptions', 'skip_options',
-           'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features', 'CAPSkip', 'check_capskip_options',
-           'check_loss_options']
+__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'SkipOptions',
+           'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features', 'copied_features',
+           'CAPSkip', 'check_capskip_options', 'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -104,6 +104,9 @@ def capskip_decision(logits: Tensor, y: Tensor, res: Tensor, feats: Tensor, w: T
 NOT_SKIP_LOGITS_ERROR = ("skip.loss needs the logits that skip(x) returned in this step, a cast of them (logits.float()) or a "
                          "slice of their rows or positions (logits[:, :-1]), not a tensor computed from them (for a temperature: "
                          "CAPSkip(model, temperature=T)) nor model(x)'s: call logits = skip(x)")
+FLAT_SEQUENCE_ERROR = ("skip.loss takes a causal LM's token logits as [B, L, V] with labels [B, L] (a row of the rule is a "
+                       "sequence), not flattened to [B·L, V]: pass skip.loss(logits) (it shifts the batch's labels) or "
+                       "skip.loss(logits[:, :-1], labels[:, 1:])")
 FORWARD_TAG = 'capskip_forward'    # the key of a forward's `Mark` in its logits' autograd node's `metadata`
 
 class Mark:
@@ -136,6 +139,16 @@ class Made:
         mark = None if self.mark is None else self.mark()
         return mark is not None and t.shape == self.shape and marked_through(t, mark)
 
+    def slices_to(self, t: Tensor) -> list | None:
+        "The slices on `t`'s autograd path back to these logits' mark, through pass-through ops and slices alone (first taken first), or None if the path does not lead there."
+        mark = None if self.mark is None else self.mark()
+        if mark is None or t.grad_fn is None: return None
+        chain = []
+        for node in pass_chain(t.grad_fn, PASS_THROUGH | {'SliceBackward0'}):
+            if node.metadata.get(FORWARD_TAG) is mark: return [n for n in reversed(chain) if n.name() == 'SliceBackward0']
+            chain.append(node)
+        return None
+
     def viewed(self, t: Tensor) -> Tensor | None:
         "These logits, or once their object is gone, when `t` is a view taken of them (found by the mark, the same memory): a stand-in with their geometry over `t`'s memory (e.g. `skip(x)[:, :-1]` of logits that are a view of a [B·L, V] result, whose `_base` is that result)."
         out = self.logits()
@@ -161,6 +174,20 @@ def aligned_features(logits: Tensor, feats: Tensor, whole: Callable[[Tensor], bo
     d = f.shape[-1]
     return f.as_strided((*logits.shape[:-1], d), (*(s // C * d for s in logits.stride()[:-1]), 1),
                         f.storage_offset() + off // C * d)
+
+def _signed(v: int) -> int:
+    "A slice bound as autograd saved it (an int64 read as unsigned: −1 is 2⁶⁴ − 1) back to a Python int."
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+def copied_features(logits: Tensor, feats: Tensor, slices: list | None) -> Tensor | None:
+    "The head's input `feats` [..., d] sliced as `logits`, a copy (`.contiguous()`, `.float()`) of slices of the forward's logits, was: `slices`, the `SliceBackward0` nodes on the way (`Made.slices_to`), each on a leading dim of a tensor shaped as the forward's logits so far; None otherwise."
+    if not slices: return None
+    f = feats
+    for node in slices:
+        shape, dim = tuple(node._saved_self_sym_sizes), node._saved_dim
+        if len(shape) != f.ndim or shape[:-1] != tuple(f.shape[:-1]) or dim % f.ndim == f.ndim - 1: return None
+        f = f[(slice(None),) * (dim % f.ndim) + (slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step),)]
+    return f if logits.ndim == f.ndim and logits.shape[:-1] == f.shape[:-1] else None
 
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
@@ -213,6 +240,11 @@ class CAPSkip:
         for made in reversed(self._recent):
             if made.whole(logits): return made.features, made.labels, True, made.cap
             sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]
+            if sliced is None and logits.shape[-1] == made.shape[-1]:
+                slices = made.slices_to(logits)                  # a copy of a slice: logits[:, :-1].contiguous(), .float()
+                sliced = copied_features(logits, made.features, slices)
+                if sliced is None and slices is not None and len(made.shape) == 3 and logits.ndim < 3:
+                    raise ValueError(FLAT_SEQUENCE_ERROR)
             if sliced is not None: return sliced, None, False, made.cap
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 

@@ -34,14 +34,14 @@ def lm_batch():
     return ids, mask, torch.where(mask.bool(), ids, -100)
 
 
-def shifted_reference(dtype, keep):
-    "Plain autograd, float64, of the kept sequences' token CE over positions 0 … L−2 (label: the next input)."
+def shifted_reference(dtype, keep, rows=slice(None)):
+    "Plain autograd, float64, of the kept sequences' token CE over positions 0 … L−2 (label: the next input), over the labelled tokens of `rows`."
     ids, mask, labels = lm_batch()
     model = lm(dtype).double()
     z = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     y = labels[:, 1:]
     tok = F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction='none').view(y.shape)
-    ((tok.sum(1) * keep.double()).sum() / (y != -100).sum()).backward()
+    ((tok.sum(1) * keep.double()).sum() / (y[rows] != -100).sum()).backward()
     return model_grads(model)
 
 
@@ -178,3 +178,41 @@ def test_a_slice_of_view_logits_whose_object_is_gone(mode):
         skip = CAPSkip(ViewLM().double(), budget=0.5, mode=mode)
         zs = skip(ids)[:, :-1]
         skip.loss(zs.detach().clone().requires_grad_()[:, :-1], ids[:, 1:-1])
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('copy', ['contiguous', 'one expression', 'rows', 'cast'])
+def test_a_copy_of_a_slice(mode, copy):
+    "Hugging Face's older loss code, `logits[..., :-1, :].contiguous()` with `labels[..., 1:].contiguous()`: a copy of a slice (no memory shared with the logits), its slices read from autograd's graph (`Made.slices_to`, `copied_features`); before, refused with the line telling the user to call skip(x), which they had."
+    ids, mask, labels = lm_batch()
+    model = lm()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    if copy == 'one expression':
+        z = skip(input_ids=ids, attention_mask=mask)[..., :-1, :].contiguous()
+    else:
+        whole = skip(input_ids=ids, attention_mask=mask)
+        z = {'contiguous': whole[..., :-1, :].contiguous(), 'rows': whole[1:5, :-1].clone(),
+             'cast': whole[:, :-1].float().double()}.get(copy, None)
+    rows = slice(1, 5) if copy == 'rows' else slice(None)
+    skip.loss(z, labels[rows, 1:].contiguous()).backward()
+    keep = torch.zeros(B, dtype=torch.bool)
+    keep[rows] = skip.last.applied > 0
+    assert skip.last.applied.shape == (keep[rows].numel(),) and 0 < int(keep.sum()) < keep[rows].numel()
+    top, rel = grad_errors(model_grads(model), shifted_reference(torch.float64, keep, rows))
+    bound = 1e-6 if copy == 'cast' else 1e-12            # 'cast': the user's own float32 round trip (measured 3.3e-8)
+    assert top < bound and rel < bound, (top, rel)
+    skip.close()
+
+
+def test_flattened_sequence_logits_are_refused_with_the_door_s_form():
+    "`F.cross_entropy(logits.view(-1, V), labels.view(-1))`'s flattened form would make each token a row: refused, naming the [B, L, V] forms."
+    ids, mask, labels = lm_batch()
+    skip = CAPSkip(lm(), budget=0.5)
+    z = skip(input_ids=ids, attention_mask=mask)
+    for flat, y in ((z[..., :-1, :].contiguous().view(-1, V), labels[..., 1:].reshape(-1)), (z.view(-1, V), labels.view(-1)),
+                    (z.reshape(-1, V), labels.reshape(-1))):
+        with pytest.raises(ValueError, match=r"not flattened to \[B·L, V\]: pass skip.loss\(logits\)"):
+            skip.loss(flat, y)
+    with pytest.raises(ValueError, match='not a tensor computed from them'): skip.loss(z[..., :32].contiguous(), labels)
+    skip.loss(z[:, :-1].contiguous(), labels[:, 1:]).backward()   # the control: the copy of the slice itself
+    skip.close()
