@@ -30,7 +30,7 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'SkipOptions',
            'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features', 'copied_features',
-           'CAPSkip', 'check_capskip_options', 'check_loss_options']
+           'virtual_tokens', 'prompt_labels', 'CAPSkip', 'check_capskip_options', 'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -189,6 +189,17 @@ def copied_features(logits: Tensor, feats: Tensor, slices: list | None) -> Tenso
         f = f[(slice(None),) * (dim % f.ndim) + (slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step),)]
     return f if logits.ndim == f.ndim and logits.shape[:-1] == f.shape[:-1] else None
 
+def virtual_tokens(model: nn.Module) -> int:
+    "The positions a PEFT prompt-learning model (prompt tuning, P-tuning) puts before the input's (`num_virtual_tokens`): its logits have that many more; 0 for any other model."
+    cfg = getattr(model, 'active_peft_config', None)
+    return int(getattr(cfg, 'num_virtual_tokens', 0) or 0) if getattr(cfg, 'is_prompt_learning', False) else 0
+
+def prompt_labels(labels, logits: Tensor, n: int, ignore_index: int = IGNORE_INDEX):
+    "The batch's [B, L] `labels` with `n` `ignore_index` columns in front when the [B, n + L, V] logits have the `n` virtual tokens of `virtual_tokens` (what PEFT does with the labels it is given); else `labels` unchanged."
+    if not (n > 0 and isinstance(labels, Tensor) and labels.ndim == 2 and logits.ndim == 3
+            and logits.shape[:2] == (labels.shape[0], labels.shape[1] + n)): return labels
+    return torch.cat([labels.new_full((labels.shape[0], n), ignore_index), labels], 1)
+
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`; `skip.options` is its `SkipOptions`."
@@ -227,6 +238,7 @@ class CAPSkip:
     def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
         fwd = self.engine.forward(*args, **kwargs)
+        labels = prompt_labels(labels, fwd.logits, virtual_tokens(self.model), self.options.ignore_index)   # PEFT prompt tuning
         made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap)
         self._recent = [r for r in self._recent[-7:] if r.alive()] + [made]
         return fwd

@@ -1,7 +1,8 @@
 """Training loops the door was not written for, held out from the tests that built it (probed in stop 52, kept here):
 two forwards whose losses are summed before one backward, `torch.autograd.grad` instead of `.backward()`, a validation
 forward under `torch.no_grad()` between steps, a batch of one sequence, gradient accumulation over prompt-masked
-micro-batches with the whole batch's token count as denominator, left padding, and a model trained in pure bf16.
+micro-batches with the whole batch's token count as denominator, left padding, a model trained in pure bf16, and a PEFT
+prompt-tuning model (its logits carry virtual tokens the batch's labels lack: padded as PEFT pads them, stop 53).
 Each against plain autograd of the kept rows (float64, or bf16 against a float64 truth)."""
 import copy
 
@@ -164,3 +165,33 @@ def test_a_model_trained_in_pure_bf16(mode):
     wrong = grad_errors(as64(model_grads(every)), model_grads(truth))
     assert ours[1] < 0.05 and wrong[1] > 4 * ours[1], (ours, autograds, wrong)   # bf16's own error, not a wrong set of rows
     skip.close()
+
+
+def prompt_tuned():
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+    return get_peft_model(gpt2(), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3)).double()   # its prompt: float32
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_peft_prompt_tuning_pads_the_batch_labels_as_peft_does(mode):
+    "A PEFT prompt-tuning model puts 3 virtual tokens before the input: its logits are [B, 3 + L, V]. PEFT pads the labels it is given with -100 in front; skip(**batch) takes the labels out of the batch, so the door pads them (before: refused, labels [B, L] not aligned with the logits)."
+    model, ref, skip = door(prompt_tuned(), mode)
+    skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+    applied = skip.last.applied
+    assert 0 < int((applied > 0).sum()) < 6
+    padded = torch.cat([torch.full((6, 3), -100), IDS], 1)            # PEFT's labels: the last virtual token predicts IDS[:, 0]
+    z = ref(input_ids=IDS).logits[:, :-1]
+    lab = padded[:, 1:]
+    tok = F.cross_entropy(z.flatten(0, 1), lab.flatten(), reduction='none').view(lab.shape)
+    ((tok.sum(1) * applied.double()).sum() / int((lab != -100).sum())).backward()
+    trained = lambda m: {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert list(trained(model)) == ['prompt_encoder.default.embedding.weight']
+    top, rel = grad_errors(trained(model), trained(ref))
+    assert top < 1e-12 and rel < 1e-12 and float(trained(ref)['prompt_encoder.default.embedding.weight'].abs().max()) > 0
+    model.zero_grad(); ref.zero_grad(); skip.close()
+    skip = capskip.CAPSkip(model, budget=0.0, mode=mode)                # the control: at budget 0, PEFT's own loss
+    skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+    ref(input_ids=IDS, labels=IDS).loss.backward()
+    top, rel = grad_errors(trained(model), trained(ref))
+    assert top < 1e-5 and rel < 1e-5, (top, rel)       # transformers' loss upcasts the logits to float32: measured 7.3e-8
+    skip.close()                                         # (AMD EPYC, 2026-12-07), the bound above 100x that for other CPUs
