@@ -127,6 +127,17 @@ def test_budget_0_with_lora_and_a_frozen_head(data, tmp_path):
     assert is_causal_lm(trainer.model) and float(max(v.abs().max() for v in skipped.values())) > 0
 
 
+@pytest.mark.parametrize('mode', ['masked', 'reuse'])
+def test_budget_0_with_peft_prompt_tuning(mode, data, tmp_path):
+    "Prompt tuning's logits carry 3 virtual tokens the batch's labels lack: the loss-reduction probe and the door pad the labels as PEFT does (before: the probe raised a cross-entropy shape error)."
+    from peft import PromptTuningConfig, TaskType
+    base = get_peft_model(lm('gpt2'), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3))
+    plain, skipped, trainer = side_by_side(base, data, tmp_path, capskip={'mode': mode})
+    assert_same(plain, skipped)
+    assert sorted(skipped) == ['prompt_encoder.default.embedding.weight'] and float(skipped[sorted(skipped)[0]].abs().max()) > 0
+    assert trainer.reduction == 'items' and int(trainer.skip.last.kept) == trainer.skip.last.forwarded
+
+
 def checkpointed(model):
     model.gradient_checkpointing_enable(); model.config.use_cache = False
     return model

@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..skip import CAPSkip
+from ..skip import CAPSkip, prompt_labels, virtual_tokens
 from ..steps import IGNORE_INDEX, StepStats, shifted_labels
 from ..runs.runio import atomic_write_bytes
 
@@ -77,7 +77,8 @@ def loss_reduction(model: nn.Module, inputs: dict, label_key: str = 'labels') ->
     """How `model`'s own loss reduces a micro-batch when the Trainer passes it `num_items_in_batch`: `'items'` (Σ CE / that
     count, as transformers' `loss_function` does, e.g. ViT) or `'mean'` (its own `CrossEntropyLoss()` mean of the micro-batch,
     e.g. BERT). One forward of the micro-batch without gradient, its random state forked (dropout draws nothing); a causal
-    LM's logits [B, L, V] are compared with the labels shifted by one, as its loss and CAPSkip's sequence rows shift them."""
+    LM's logits [B, L, V] are compared with the labels shifted by one, as its loss and CAPSkip's sequence rows shift them (a PEFT
+    prompt-tuning model's labels first padded for its virtual tokens, as PEFT pads them: `capskip.skip.prompt_labels`)."""
     labels = inputs[label_key]
     cuda = [labels.device] if labels.device.type == 'cuda' else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):
@@ -85,6 +86,7 @@ def loss_reduction(model: nn.Module, inputs: dict, label_key: str = 'labels') ->
     loss = out.get('loss') if isinstance(out, dict) else getattr(out, 'loss', None)
     if loss is None: return 'items'                                  # no loss of its own: the Trainer's count applies
     logits = (out['logits'] if isinstance(out, dict) else out.logits).float()
+    labels = prompt_labels(labels, logits, virtual_tokens(model))      # a PEFT prompt-tuning model's virtual tokens: -100
     if logits.ndim == 3: labels = shifted_labels(labels, IGNORE_INDEX)    # position t predicts token t + 1
     total = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
                                   reduction='sum'))
