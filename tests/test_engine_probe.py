@@ -228,6 +228,37 @@ def test_dropout_and_noisy_kernels_are_no_false_alarm(mode):
         probe_modules(noisy_moe, data(16)[0])
 
 
+class Gathered(nn.Module):
+    "Top-1 routing without a capacity: each expert runs on the rows routed to it, gathered, and adds them back in place."
+    def __init__(self, d=16, E=4):
+        super().__init__()
+        self.router = nn.Linear(d, E)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.SiLU()) for _ in range(E))
+
+    def forward(self, h):
+        top, pick = self.router(h).softmax(1).max(1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (pick == e).nonzero().flatten()
+            out = out.index_add(0, rows, expert(h[rows]) * top[rows, None])
+        return h + out
+
+
+@pytest.mark.parametrize('mode', SKIPPING)
+def test_experts_on_gathered_rows_are_no_false_alarm(mode):
+    "An expert's activations hold its routed rows in routing order (no batch layout) and its matmul's kernel depends on how many rows it gets: before, refused (a NaN in one row reached other rows of module 1.experts.0); now exact."
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Gathered(), nn.Linear(16, 5)).double()
+    x, y = data()
+    w = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                  # reuse: the data-dependent loop is not traced, it runs reforward
+        assert exact(step_errors(Engine(model, mode), model, x.double(), y, w))
+    capped = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), moe().moe, nn.Linear(16, 5))   # a capacity: still refused
+    with pytest.raises(RowDependenceError):
+        probe_modules(capped, data(16)[0])
+
+
 # --- the head called again after the logits -------------------------------------------------------------------
 
 class AuxAfter(nn.Module):

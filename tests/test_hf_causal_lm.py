@@ -138,6 +138,19 @@ def test_budget_0_with_peft_prompt_tuning(mode, data, tmp_path):
     assert trainer.reduction == 'items' and int(trainer.skip.last.kept) == trainer.skip.last.forwarded
 
 
+def test_an_moe_router_loss_is_refused_in_one_line(data, tmp_path):
+    "Mixtral with output_router_logits=True: transformers.Trainer's loss adds the routers' aux_loss, CAPSkip's would not (before: refused as a model whose loss is no mean or sum of cross-entropy)."
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+                                             num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))
+    trainer = CAPSkipTrainer(model=model, args=arguments(tmp_path), train_dataset=data, capskip={'budget': 0.5})
+    trainer.remove_callback(PrinterCallback)
+    with pytest.raises(ValueError, match=r"carries aux_loss beside its logits"):
+        trainer.train()
+
+
 def checkpointed(model):
     model.gradient_checkpointing_enable(); model.config.use_cache = False
     return model

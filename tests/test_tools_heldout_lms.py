@@ -1,6 +1,7 @@
 """`tools/heldout_lms.py` (the held-out causal-LM probe): it runs as documented and reports exact gradients for a model the
 tests do not build (OPT, and Cohere, whose logits are its head's output times `logit_scale`; left-padded, a 3-token prompt
-masked), and a model capskip refuses (Mixtral's experts mix rows, in reuse and reforward) gets its one-line refusal."""
+masked), and Mixtral, whose experts run on tokens gathered from every row (refused until stop 53 as rows that mix; now
+exact in reforward, and reuse runs reforward), is compared with float32 autograd: its grouped matmul has no float64."""
 import re
 import subprocess
 import sys
@@ -22,9 +23,11 @@ def test_a_held_out_lm_is_exact_in_every_mode_and_a_refusal_is_reported():
     for line in exact:
         worst, overall = map(float, re.search(r'worst (\S+), global (\S+)', line).groups())
         assert worst < 1e-5 and overall < 1e-5, line
-    refused = [l for l in rows if l.startswith('mixtral')]
-    assert [l.split()[1] for l in refused] == ['reuse', 'reforward', 'masked']
-    assert all('refused: RowDependenceError' in l and 'experts' in l for l in refused[:2]), refused
+    moe = [l for l in rows if l.startswith('mixtral')]
+    assert [l.split()[1] for l in moe] == ['reuse', 'reforward', 'masked']
+    for line in moe:                                  # float32 against float32 autograd: measured ≤ 4e-7 (AMD EPYC, 2026-12-07)
+        worst, overall = map(float, re.search(r'worst (\S+), global (\S+) \(against float32 autograd', line).groups())
+        assert worst < 1e-4 and overall < 1e-4, line
 
 
 def test_an_unknown_model_is_named():

@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .head import HeadError
 
 # %% auto #0
-__all__ = ['ALIGN', 'RowLeaf', 'InputSpec', 'batch_size', 'pack_inputs', 'grad_inputs', 'unpack_inputs', 'logits_of', 'ModelCall',
-           'split_labels']
+__all__ = ['ALIGN', 'RowLeaf', 'InputSpec', 'batch_size', 'pack_inputs', 'grad_inputs', 'unpack_inputs', 'extra_losses',
+           'extra_loss_error', 'logits_of', 'ModelCall', 'split_labels']
 
 # %% ../../nbs/01l_inputs.ipynb #b52e0e7d
 ALIGN = 8                                        # bytes: every segment starts at a multiple of the widest element
@@ -116,8 +116,23 @@ def unpack_inputs(x: torch.Tensor, spec: InputSpec) -> tuple[tuple, dict]:
     return args, kwargs
 
 # %% ../../nbs/01l_inputs.ipynb #9c2260d9
+def extra_losses(output: Any, with_grad: bool = True) -> list[str]:
+    "The fields of a model's output (a dict or `ModelOutput`) named `*loss*`, other than `loss`, that hold a tensor (with a gradient, if `with_grad`): an MoE router's `aux_loss`."
+    if not isinstance(output, Mapping): return []
+    return [k for k, v in output.items() if k != 'loss' and 'loss' in str(k) and isinstance(v, torch.Tensor)
+            and (v.requires_grad or not with_grad)]
+
+def extra_loss_error(names: list[str]) -> HeadError:
+    "The one line for an output with `extra_losses` `names`."
+    return HeadError(f"the model's output carries {', '.join(names)} beside its logits (e.g. an MoE router's load-balancing "
+                     "loss, a statistic over every row of the batch): CAPSkip's loss would leave it out and its gradient "
+                     "needs every row; switch it off (model.config.output_router_logits = False) or train this model "
+                     "with plain autograd")
+
 def logits_of(output: Any, logits_fn: Callable | None = None) -> torch.Tensor:
-    "The logits in a model's output: `logits_fn(output)`, the output itself (a tensor), its `.logits`, or its `['logits']` (else `HeadError`)."
+    "The logits in a model's output: `logits_fn(output)`, the output itself (a tensor), its `.logits`, or its `['logits']` (else `HeadError`); an output with `extra_losses` is refused."
+    extra = extra_losses(output)
+    if extra: raise extra_loss_error(extra)
     if logits_fn is not None: out = logits_fn(output)
     elif isinstance(output, torch.Tensor): out = output
     elif isinstance(output, Mapping) and 'logits' in output: out = output['logits']

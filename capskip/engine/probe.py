@@ -18,10 +18,10 @@ from .rewrites import frequency_scaled
 from .types import RowDependenceError, buffers_restored, row_dependence_error
 
 # %% auto #0
-__all__ = ['SUBSET_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed', 'fingerprints',
-           'finite_rows', 'mixing_cause', 'probe_modules', 'kept_outputs', 'graph_attributes', 'kept_output_error',
-           'updated_buffers', 'buffer_update_error', 'module_states', 'RowProbe', 'param_caches', 'cleared_caches',
-           'stored_tensors', 'unreached_error']
+__all__ = ['SUBSET_TOL', 'KERNEL_TOL', 'INTEGER_PATHS', 'row_confined', 'poisoned', 'check_finite', 'probe_inputs', 'changed',
+           'fingerprints', 'finite_rows', 'mixing_cause', 'probe_modules', 'kept_outputs', 'graph_attributes',
+           'kept_output_error', 'updated_buffers', 'buffer_update_error', 'module_states', 'RowProbe', 'param_caches',
+           'cleared_caches', 'stored_tensors', 'unreached_error']
 
 # %% ../../nbs/01c_probe.ipynb #ae4c9348
 def _layouts_of(size: int, batch: int) -> list[tuple[int, int]]:
@@ -207,6 +207,20 @@ def _beyond_noise(clean, again, out, batch: int, rows) -> bool:
 
 SUBSET_TOL = {2: 5e-2, 4: 1e-2, 8: 1e-2}   # by bytes per value. Our choice: kernels picked by batch size move fp32
                                            # outputs by ~1e-6 of their scale, 16-bit ones by a few ulps; a capacity by O(0.1-1)
+KERNEL_TOL = {2: 1e-2, 4: 1e-5, 8: 1e-12}  # by bytes per value: round-off of a kernel picked by how many rows an op sees
+                                           # (an MoE expert's matmul on 1 or 2 routed rows), 10-100x its size (our choice)
+
+def _beyond_kernels(clean, out, batch: int, rows) -> bool:
+    "Whether the other rows of `out` moved from `clean` by more than `KERNEL_TOL` of their scale (or are no batch-first float of the same shape)."
+    others = _others(batch, rows)
+    for u, v in zip(_tensors(clean), _tensors(out)):
+        if not u.is_floating_point() or u.ndim == 0 or u.shape[0] != batch or v.shape != u.shape: return True
+        a, b = u[others.to(u.device)].double(), v[others.to(v.device)].double()
+        if not bool(torch.isfinite(b).all()): return True
+        scale = float(a.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max()) if a.numel() else 0.0
+        if float((b - a).abs().nan_to_num(nan=math.inf).max()) > KERNEL_TOL.get(u.element_size(), 1e-5) * max(scale, 1e-30):
+            return True
+    return False
 
 def _subset_drift(full, sub, batch: int, h: int) -> tuple[float, float]:
     "How far the output of rows h…B−1 run alone (`sub`) lies from the same rows of the whole batch (`full`): (the largest difference over their largest magnitude, its tolerance) of the worst batch-first float."
@@ -254,18 +268,19 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
         if any(m is not None for ms in masks for m in ms): before[call] = masks
     drew: list = []
     out_clean = _hooked(model, clean, record, drew)
-    offenders: list = []
+    offenders: list = []                                 # (module, where, culprit, shape): outputs that carried the NaN beyond row 0
     def check(module, inputs, output, parent, call):
-        if offenders: return
         old_out, old_in = before.get(call, (None, None))
-        if not _nan_spread(output, old_out, batch): return
+        if not _nan_spread(output, old_out, batch):      # its output keeps the NaN in row 0: what spread inside it was no batch layout
+            offenders[:] = [o for o in offenders if not any(m is o[0] for m in module.modules())]   # (an MoE's tokens by expert)
+            return
         # mixed inputs: the rows were mixed by the caller's own code (e.g. a functional batch norm), not in here
         culprit = parent if parent is not None and _nan_spread(inputs, old_in, batch) else module
         shape = next(tuple(t.shape) for t in _tensors(output) if t.is_floating_point())
-        offenders.append((_where(culprit, names), culprit, shape))
+        offenders.append((module, _where(culprit, names), culprit, shape))
     out_nan = _hooked(model, clean, check, poison=True) if xnan is None else _hooked(model, xnan, check)
     if offenders:
-        where, module, shape = offenders[0]
+        _, where, module, shape = offenders[0]
         raise row_dependence_error(f'module {where}', f'a NaN in one input row reached other rows of an output of shape {shape}',
                                    mixing_cause(module))
     again = None                                         # a second plain forward, run if an output moved
@@ -273,6 +288,7 @@ def probe_modules(model: nn.Module, x: torch.Tensor) -> None:
         if xin is None: continue                         # integer input: the NaN was injected inside, the swap decides
         if out is None: out = _hooked(model, xin)
         if not _moved(out_clean, out, batch, moved): continue
+        if not _beyond_kernels(out_clean, out, batch, moved): continue   # round-off: a kernel chosen by an op's row count
         if again is None: again = _hooked(model, clean)
         noisy = _moved(out_clean, again, batch, ())      # the plain forward is not reproducible bit for bit
         if noisy and not _beyond_noise(out_clean, again, out, batch, moved): continue

@@ -189,7 +189,11 @@ class Reuse(Executor):
                 raise
             except Exception as err:                     # graph break, unsupported op, dynamic control flow
                 traced = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
-            if not isinstance(traced, str): probe_traced(traced, self.model, xr)
+            if not isinstance(traced, str):
+                try: probe_traced(traced, self.model, xr)
+                except RowDependenceError as err:        # every module's output kept its rows (the eager probe): reforward is exact,
+                    traced = (f'a saved value in {err.where or "the model"} is not laid out by rows, though every module\'s '
+                              'output is (e.g. a mixture of experts\' tokens grouped by expert)')   # slicing the saved values is not
         if not isinstance(traced, str) and (moved := state_change(traced, self.model, self.capture, xr)) is not None:
             traced = f'its forward changes, at every call, Python state it reads ({moved}: false after one forward)'
         if isinstance(traced, str):

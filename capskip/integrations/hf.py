@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..engine.inputs import extra_loss_error, extra_losses
 from ..skip import CAPSkip, prompt_labels, virtual_tokens
 from ..steps import IGNORE_INDEX, StepStats, shifted_labels
 from ..runs.runio import atomic_write_bytes
@@ -83,6 +84,8 @@ def loss_reduction(model: nn.Module, inputs: dict, label_key: str = 'labels') ->
     cuda = [labels.device] if labels.device.type == 'cuda' else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):
         out = model(**inputs, num_items_in_batch=torch.tensor(PROBE_ITEMS, device=labels.device))
+    extra = extra_losses(out, with_grad=False)                       # an MoE router's aux_loss: its own line, not the one below
+    if extra: raise extra_loss_error(extra)
     loss = out.get('loss') if isinstance(out, dict) else getattr(out, 'loss', None)
     if loss is None: return 'items'                                  # no loss of its own: the Trainer's count applies
     logits = (out['logits'] if isinstance(out, dict) else out.logits).float()
