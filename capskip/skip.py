@@ -183,10 +183,11 @@ def copied_features(logits: Tensor, feats: Tensor, slices: list | None) -> Tenso
     "The head's input `feats` [..., d] sliced as `logits`, a copy (`.contiguous()`, `.float()`) of slices of the forward's logits, was: `slices`, the `SliceBackward0` nodes on the way (`Made.slices_to`), each on a leading dim of a tensor shaped as the forward's logits so far; None otherwise."
     if not slices: return None
     f = feats
-    for node in slices:
-        shape, dim = tuple(node._saved_self_sym_sizes), node._saved_dim
-        if len(shape) != f.ndim or shape[:-1] != tuple(f.shape[:-1]) or dim % f.ndim == f.ndim - 1: return None
-        f = f[(slice(None),) * (dim % f.ndim) + (slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step),)]
+    for node in slices:                                  # autograd's saved fields (private: a torch without them refuses)
+        shape, dim, start, end, step = (getattr(node, f'_saved_{k}', None) for k in ('self_sym_sizes', 'dim', 'start', 'end', 'step'))
+        if None in (shape, dim, start, end, step): return None
+        if len(shape) != f.ndim or tuple(shape[:-1]) != tuple(f.shape[:-1]) or dim % f.ndim == f.ndim - 1: return None
+        f = f[(slice(None),) * (dim % f.ndim) + (slice(_signed(start), _signed(end), step),)]
     return f if logits.ndim == f.ndim and logits.shape[:-1] == f.shape[:-1] else None
 
 def virtual_tokens(model: nn.Module) -> int:
