@@ -24,13 +24,15 @@ from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, de
 from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
 from .sequence_bounds import parse_gram
+from .checks import values_checked
 from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, head_map,
                            record, run_step, sequence_loss, shifted_labels, step_loss)
 
 # %% auto #0
-__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'SkipOptions',
-           'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features', 'copied_features',
-           'virtual_tokens', 'prompt_labels', 'CAPSkip', 'check_capskip_options', 'check_loss_options']
+__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'UNSHIFTED_ERROR',
+           'SkipOptions', 'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features',
+           'copied_features', 'virtual_tokens', 'prompt_labels', 'unshifted', 'CAPSkip', 'check_capskip_options',
+           'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -121,14 +123,15 @@ class Made:
     "What one `skip(...)` made: its logits (held weakly), its mark, the head's input, the batch's labels, the soft cap of its logits (`LogitMap.cap`)."
     logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
     place: tuple = ()    # (storage address, storage offset, strides) of contiguous logits: their geometry once their object is gone
+    ids: Any = None      # the forward's token ids [B, L] (`input_ids`, or its first argument), to tell unshifted labels
 
     @classmethod
-    def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None) -> Made:
+    def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None, ids: Any = None) -> Made:
         mark = None
         if logits.grad_fn is not None:
             mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
         place = (logits.untyped_storage().data_ptr(), logits.storage_offset(), logits.stride()) if logits.is_contiguous() else ()
-        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place)
+        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place, ids)
 
     def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
 
@@ -201,6 +204,19 @@ def prompt_labels(labels, logits: Tensor, n: int, ignore_index: int = IGNORE_IND
             and logits.shape[:2] == (labels.shape[0], labels.shape[1] + n)): return labels
     return torch.cat([labels.new_full((labels.shape[0], n), ignore_index), labels], 1)
 
+UNSHIFTED_ERROR = ("the labels equal the input ids at every labelled position: they are Hugging Face's, which the model's own "
+                   "loss shifts by one, and skip.loss takes explicit labels as aligned with the logits; pass skip.loss(logits, "
+                   "labels, shift_labels=True), or leave them in the batch for skip.loss(skip(**batch)) (or shift_labels=False "
+                   "if position t does predict its own token)")
+
+def unshifted(labels, ids, ignore_index: int = IGNORE_INDEX) -> bool:
+    "Whether explicit [B, L] `labels` are a causal LM's unshifted ones: equal to the forward's token ids `ids` at every labelled position, where reading them as aligned (each the next token) does not fit; checked on CPU (`values_checked`: host reads)."
+    if not (isinstance(labels, Tensor) and isinstance(ids, Tensor) and labels.shape == ids.shape and labels.ndim == 2
+            and labels.device == ids.device and values_checked(None, labels)): return False
+    unlabelled = labels == ignore_index
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)        # the aligned reading: position t labelled with token t + 1
+    return bool(((labels == ids) | unlabelled).all()) and not bool(((labels == nxt) | unlabelled).all()) and not bool(unlabelled.all())
+
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`; `skip.options` is its `SkipOptions`."
@@ -240,7 +256,8 @@ class CAPSkip:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
         fwd = self.engine.forward(*args, **kwargs)
         labels = prompt_labels(labels, fwd.logits, virtual_tokens(self.model), self.options.ignore_index)   # PEFT prompt tuning
-        made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap)
+        ids = kwargs.get('input_ids', args[0] if args else None)
+        made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap, ids if isinstance(ids, Tensor) else None)
         self._recent = [r for r in self._recent[-7:] if r.alive()] + [made]
         return fwd
 
@@ -251,14 +268,14 @@ class CAPSkip:
     def _forward_of(self, logits: Tensor) -> tuple:
         "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
         for made in reversed(self._recent):
-            if made.whole(logits): return made.features, made.labels, True, made.cap
+            if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids
             sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]
             if sliced is None and logits.shape[-1] == made.shape[-1]:
                 slices = made.slices_to(logits)                  # a copy of a slice: logits[:, :-1].contiguous(), .float()
                 sliced = copied_features(logits, made.features, slices)
                 if sliced is None and slices is not None and len(made.shape) == 3 and logits.ndim < 3:
                     raise ValueError(FLAT_SEQUENCE_ERROR)
-            if sliced is not None: return sliced, None, False, made.cap
+            if sliced is not None: return sliced, None, False, made.cap, None
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 
     def features_of(self, logits: Tensor) -> Tensor:
@@ -294,7 +311,7 @@ class CAPSkip:
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
         "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) and the logits' soft cap."
-        feats, labels, whole, cap = self._forward_of(logits)
+        feats, labels, whole, cap, ids = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels
         if y is None and not whole:
@@ -303,6 +320,8 @@ class CAPSkip:
         if y is None:
             raise ValueError(f'skip.loss(logits) needs the labels: pass skip.loss(logits, y), or call skip(**batch) with the '
                              f'labels in the batch under {self.label_key!r} (label_key=)')
+        if logits.ndim == 3 and not from_batch and shift_labels is None and unshifted(y, ids, self.options.ignore_index):
+            raise ValueError(UNSHIFTED_ERROR)
         if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
         return feats, y, cap
 

@@ -229,3 +229,20 @@ def test_an_moe_router_loss_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"carries aux_loss beside its logits .* \(model.config.output_router_logits = False\)"):
         skip(input_ids=IDS, labels=IDS)
     skip.close()
+
+
+def test_hugging_face_labels_passed_explicitly_are_refused_not_trained_on():
+    "skip.loss(logits, batch['labels']) with Hugging Face's unshifted labels (a copy of input_ids) would train each position to predict its own token (before: no word). Refused, naming shift_labels=True; that, the batch's labels and aligned labels still work, as do labels that fit both readings (a repeated token)."
+    model, ref, skip = door(gpt2(), 'reuse')
+    labels = torch.where(torch.arange(8) < 6, IDS, -100)             # right padding: the last two unlabelled
+    z = skip(input_ids=IDS)
+    with pytest.raises(ValueError, match=r"equal the input ids at every labelled position.*shift_labels=True"):
+        skip.loss(z, labels)
+    shifted = skip.loss(z, labels, shift_labels=True)
+    assert torch.equal(shifted, skip.loss(skip(input_ids=IDS, labels=labels)))       # the batch's labels: shifted
+    aligned = torch.cat([labels[:, 1:], torch.full((6, 1), -100)], 1)
+    assert torch.equal(skip.loss(skip(input_ids=IDS), aligned), shifted)
+    skip.loss(skip(input_ids=IDS), labels, shift_labels=False)       # the user says position t predicts its own token
+    same = torch.full((6, 8), 3)
+    skip.loss(skip(input_ids=same), same)                            # both readings fit: not refused
+    skip.close()
