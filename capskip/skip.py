@@ -31,8 +31,8 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'UNSHIFTED_ERROR',
            'SkipOptions', 'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features',
-           'copied_features', 'virtual_tokens', 'prompt_labels', 'unshifted', 'CAPSkip', 'check_capskip_options',
-           'check_loss_options']
+           'copied_features', 'virtual_tokens', 'prompt_labels', 'unshifted', 'batch_labels_shifted', 'CAPSkip',
+           'check_capskip_options', 'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -217,6 +217,21 @@ def unshifted(labels, ids, ignore_index: int = IGNORE_INDEX) -> bool:
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)        # the aligned reading: position t labelled with token t + 1
     return bool(((labels == ids) | unlabelled).all()) and not bool(((labels == nxt) | unlabelled).all()) and not bool(unlabelled.all())
 
+_SHIFTED = ('MODEL_FOR_CAUSAL_LM_MAPPING_NAMES', 'MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES')   # their own loss shifts the labels
+_ALIGNED = ('MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES', 'MODEL_FOR_MASKED_LM_MAPPING_NAMES',    # labels aligned with the logits
+            'MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES')
+
+def batch_labels_shifted(model: nn.Module) -> bool | None:
+    "Whether the labels of a batch for `model` are a causal LM's, which its own loss shifts by one (True), or aligned with its [B, L, C] logits (False: token tags, a masked LM, a seq2seq decoder), by transformers' model mappings for the transformers class `model` (inside a PEFT, DDP or `torch.compile` wrapper) is or derives from; None where they disagree or know no such class of transformers; True for any other model."
+    m = model.get_base_model() if callable(getattr(model, 'get_base_model', None)) else model
+    m = getattr(m, '_orig_mod', getattr(m, 'module', m))
+    base = next((c for c in type(m).__mro__ if c.__module__.startswith('transformers.models.')), None)
+    if base is None: return True
+    from transformers.models.auto import modeling_auto
+    names = lambda maps: {v for n in maps for v in getattr(modeling_auto, n, {}).values()}
+    shifted, aligned = base.__name__ in names(_SHIFTED), base.__name__ in names(_ALIGNED)
+    return shifted if shifted != aligned else None
+
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`; `skip.options` is its `SkipOptions`."
@@ -229,6 +244,7 @@ class CAPSkip:
                            if engine is None else engine)
         self.model, self.label_key, self.seed = model, label_key, int(seed)
         self._generator, self._pending_state = None, None
+        self._shifted: bool | None = None                # `batch_labels_shifted(model)`, found at the first batch's labels
         self.stats = DeviceCounters()
         self.last: StepStats | None = None               # the last step's statistics
         self._recent: list = []                          # (weak reference to logits, their features): the last forwards
@@ -322,6 +338,13 @@ class CAPSkip:
                              f'labels in the batch under {self.label_key!r} (label_key=)')
         if logits.ndim == 3 and not from_batch and shift_labels is None and unshifted(y, ids, self.options.ignore_index):
             raise ValueError(UNSHIFTED_ERROR)
+        if logits.ndim == 3 and from_batch and shift_labels is None:
+            if self._shifted is None: self._shifted = batch_labels_shifted(self.model)
+            if self._shifted is None:
+                raise ValueError(f"skip.loss(logits) cannot tell whether the batch's labels for {type(self.model).__name__} are "
+                                 "shifted by its own loss: pass shift_labels=True (position t predicts token t + 1, as a causal "
+                                 "LM's) or shift_labels=False (aligned with the logits)")
+            shift_labels = self._shifted
         if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
         return feats, y, cap
 

@@ -246,3 +246,40 @@ def test_hugging_face_labels_passed_explicitly_are_refused_not_trained_on():
     same = torch.full((6, 8), 3)
     skip.loss(skip(input_ids=same), same)                            # both readings fit: not refused
     skip.close()
+
+
+def token_models():
+    from transformers import BertConfig, BertForMaskedLM, BertForTokenClassification, GPT2ForTokenClassification
+    torch.manual_seed(0)
+    bert = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    class MyTagger(BertForTokenClassification): pass  # the user's subclass: judged by the transformers class it derives from
+    return {'bert-tags': BertForTokenClassification(BertConfig(num_labels=5, **bert)),
+            'gpt2-tags': GPT2ForTokenClassification(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, num_labels=5,
+                                                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, classifier_dropout=0.0)),
+            'bert-mlm': BertForMaskedLM(BertConfig(**bert)), 'subclass': MyTagger(BertConfig(num_labels=5, **bert))}
+
+
+@pytest.mark.parametrize('name', ['bert-tags', 'gpt2-tags', 'bert-mlm', 'subclass'])
+def test_aligned_batch_labels_are_not_shifted(name):
+    "A token classifier's or a masked LM's labels are aligned with its logits: skip.loss(skip(**batch)) at budget 0 is the model's own loss (before: the door shifted them as a causal LM's, a wrong objective with no word)."
+    model = token_models()[name].double().train()
+    labels = torch.randint(0, 5, IDS.shape, generator=torch.Generator().manual_seed(3))
+    if name == 'bert-mlm': labels = torch.where(torch.rand(IDS.shape, generator=torch.Generator().manual_seed(4)) < 0.3, IDS, -100)
+    skip = capskip.CAPSkip(model, budget=0.0, mode='masked')
+    loss = skip.loss(skip(input_ids=IDS, labels=labels))
+    assert abs(float(loss) - float(model(input_ids=IDS, labels=labels).loss)) < 1e-12
+    skip.close()
+
+
+def test_batch_labels_of_an_undecided_class_are_refused():
+    "XLMWithLMHeadModel is in transformers' causal-LM and masked-LM mappings both: the door asks for shift_labels."
+    from transformers import XLMConfig, XLMWithLMHeadModel
+    torch.manual_seed(0)
+    model = XLMWithLMHeadModel(XLMConfig(vocab_size=64, emb_dim=32, n_layers=1, n_heads=2, dropout=0.0, attention_dropout=0.0))
+    skip = capskip.CAPSkip(model.double(), budget=0.5, mode='masked')
+    z = skip(input_ids=IDS, labels=IDS)
+    with pytest.raises(ValueError, match=r"cannot tell whether the batch's labels for XLMWithLMHeadModel are shifted.*shift_labels=True"):
+        skip.loss(z)
+    assert torch.equal(skip.loss(z, shift_labels=False), skip.loss(z, IDS, shift_labels=False))
+    skip.close()
