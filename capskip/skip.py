@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .checks import values_checked
 from .core import DEFAULT_BUDGET, target_classes
 from .engine import Engine
 from .engine.head import GATHER_OPS, PASS_THROUGH, built_by, pass_chain, passes_through
@@ -24,7 +25,6 @@ from .reweight import (REWEIGHTS, RW_P, RWP_MEAN, RWP_MIN, check_probability, de
 from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
 from .sequence_bounds import parse_gram
-from .checks import values_checked
 from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, head_map,
                            record, run_step, sequence_loss, shifted_labels, step_loss)
 
@@ -224,7 +224,7 @@ _ALIGNED = ('MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES', 'MODEL_FOR_MASKED_LM
 def batch_labels_shifted(model: nn.Module) -> bool | None:
     "Whether the labels of a batch for `model` are a causal LM's, which its own loss shifts by one (True), or aligned with its [B, L, C] logits (False: token tags, a masked LM, a seq2seq decoder), by transformers' model mappings for the transformers class `model` (inside a PEFT, DDP or `torch.compile` wrapper) is or derives from; None where they disagree or know no such class of transformers; True for any other model."
     m = model.get_base_model() if callable(getattr(model, 'get_base_model', None)) else model
-    m = getattr(m, '_orig_mod', getattr(m, 'module', m))
+    m = m.module if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else getattr(m, '_orig_mod', m)
     base = next((c for c in type(m).__mro__ if c.__module__.startswith('transformers.models.')), None)
     if base is None: return True
     from transformers.models.auto import modeling_auto
