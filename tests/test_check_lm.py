@@ -71,7 +71,7 @@ def test_a_config_larger_than_memory_is_refused_before_it_is_built(tmp_path, cap
     path = tmp_path / 'config.json'
     path.write_text(json.dumps(dict(model_type='llama', vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                     num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096)))
-    monkeypatch.setattr(method, 'available_bytes', lambda: 24 * 2**30)   # as on this 24 GiB machine, whatever runs the test
+    monkeypatch.setattr(method, 'available_bytes', lambda device=None: 24 * 2**30)   # as on this 24 GiB machine, whatever runs the test
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(SystemExit) as exit_:
         check_main(['--model', f'hf:{path}', '--lm'])
@@ -80,5 +80,21 @@ def test_a_config_larger_than_memory_is_refused_before_it_is_built(tmp_path, cap
     assert said[-1].startswith('capskip check: error: --model hf:') and 'builds 6.74B parameters' in said[-1], said
     assert '"num_hidden_layers": 2' in said[-1] and '100.4 GiB' in said[-1]
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024 < 2**30   # nothing of its size was allocated
-    monkeypatch.setattr(method, 'available_bytes', lambda: 2**40)        # a machine with 1 TiB free: no refusal
+    monkeypatch.setattr(method, 'available_bytes', lambda device=None: 2**40)        # a machine with 1 TiB free: no refusal
     assert method.too_big(method.meta_params(lambda: hf_causal_lm(str(path))), method.available_bytes()) is None
+
+
+def test_a_config_larger_than_the_gpu_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    "With --device cuda the guard reads the GPU's free memory (torch.cuda.mem_get_info; before: no guard on a GPU, the build ran out of its memory with a traceback). Run here with that call standing in for a GPU with 16 GiB free."
+    import json
+    import torch
+    path = tmp_path / 'config.json'
+    path.write_text(json.dumps(dict(model_type='llama', vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                    num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096)))
+    asked = []
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: (asked.append(device), (16 * 2**30, 80 * 2**30))[1])
+    with pytest.raises(SystemExit) as exit_:
+        check_main(['--model', f'hf:{path}', '--lm', '--device', 'cuda'])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and asked and 'builds 6.74B parameters' in said[-1], said
+    assert 'and cuda (free memory) has 16.0 GiB available' in said[-1] and 'Traceback' not in '\n'.join(said)

@@ -99,8 +99,12 @@ def select_demo_main(argv: list[str] | None = None) -> int:
 # %% ../../nbs/09a_cli_method.ipynb #c7a5e002
 CHECK_COPIES = 4   # float32 copies of the parameters the check holds at once (the model, its copy without stochastic layers, the gradients of a mode and of plain autograd): our count of capskip.engine.check.gradient_check
 
-def available_bytes() -> int | None:
-    "The memory this machine has available now (Linux's `MemAvailable`), None where it cannot be read."
+def available_bytes(device=None) -> int | None:
+    "The memory free for the check now: on a CUDA `device` the GPU's (`torch.cuda.mem_get_info`), else this machine's (Linux's `MemAvailable`); None where it cannot be read."
+    import torch
+    if device is not None and torch.device(device).type == 'cuda':
+        try: return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except (RuntimeError, AssertionError, ValueError): return None   # no CUDA build or no such GPU: the build says so
     try:
         with open('/proc/meminfo') as f:
             return next((int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:')), None)
@@ -113,13 +117,14 @@ def meta_params(build) -> int | None:
         with torch.device('meta'): return sum(p.numel() for p in build().parameters())
     except Exception: return None                       # the real build says what is wrong, in one line
 
-def too_big(n_params: int | None, available: int | None, config: bool = True, copies: int = CHECK_COPIES) -> str | None:
-    "Why a model of `n_params` float32 parameters does not fit the check in `available` bytes (the fix: a small config, or a smaller variant), or None."
+def too_big(n_params: int | None, available: int | None, config: bool = True, copies: int = CHECK_COPIES,
+            where: str = 'this machine') -> str | None:
+    "Why a model of `n_params` float32 parameters does not fit the check in the `available` bytes of `where` (the fix: a small config, or a smaller variant), or None."
     if n_params is None or available is None or 4 * copies * n_params <= available: return None
     fix = ('from a copy of its config.json with fewer layers and a smaller width (e.g. "num_hidden_layers": 2, '
            '"hidden_size": 64, "intermediate_size": 128)') if config else 'a smaller variant of it'
     return (f'builds {n_params / 1e9:.2f}B parameters; the check holds about {copies} float32 copies of them '
-            f'({4 * copies * n_params / 2**30:.1f} GiB) and this machine has {available / 2**30:.1f} GiB available: '
+            f'({4 * copies * n_params / 2**30:.1f} GiB) and {where} has {available / 2**30:.1f} GiB available: '
             f'check the same architecture at a small size, {fix}')
 
 # %% ../../nbs/09a_cli_method.ipynb #b4758c4e
@@ -234,7 +239,8 @@ def check_main(argv: list[str] | None = None) -> int:
     build = (lambda: hf_causal_lm(ns.model[3:])) if lm_config else (lambda: _build_model(ns.model, ns.num_classes, ns.img))
     try:
         device = torch.device(ns.device)
-        big = too_big(meta_params(build), available_bytes(), ns.model.startswith('hf:')) if device.type == 'cpu' else None
+        big = too_big(meta_params(build), available_bytes(device), ns.model.startswith('hf:'),
+                      where='this machine' if device.type == 'cpu' else f'{device} (free memory)')
         if big: p.error(f'--model {ns.model} {big}')      # before it is built: a model larger than memory is killed with no word
         model = build().to(device)
     except (ValueError, RuntimeError) as err:      # an unknown model name or device: one line, exit 2
