@@ -369,3 +369,25 @@ def test_lm_table_pairs_the_chosen_metric_and_its_direction():
     for run in data.cells['capskip', 3].values():                         # the control: flip capskip to worse
         run.final = {**run.final, 'test_loss': run.final['test_loss'] + 0.2, 'test_acc': run.final['test_acc'] - 0.2}
     assert [verdict(m) for m in ('loss', 'ppl', 'acc')] == ['worse', 'worse', 'worse']
+
+
+def test_steps_that_ran_every_row_are_summed_and_noted(folder, tmp_path):
+    "An epoch's policy counters hold all_rows_steps (the backward ran every row though the rule kept fewer: reforward with dropout, or a reuse trace it could not slice); final.json sums them and the report says that rows_backprop_frac counts the rule's rows there (before: neither, the saving looked real)."
+    from types import SimpleNamespace
+    from capskip.runs.train import final_summary
+    rows = [{'rows_backprop': 60, 'rows_forwarded': 100, 'kept_fraction': 0.6, 'val_acc': 0.7, 'test_acc': None,
+             'policy': {'all_rows_steps': 3.0 if e == 1 else None}} for e in (1, 2)]
+    rows[-1]['test_acc'] = 0.7
+    state = SimpleNamespace(config=SimpleNamespace(recipe='r', arm='capskip', seed=1, epochs=2, time_matched=None),
+                            rows=rows, splits=SimpleNamespace(train=range(100)), train_time_s=10.0)
+    assert final_summary(state)['all_rows_steps'] == 3
+    assert 'all_rows_steps' not in final_summary(SimpleNamespace(**{**vars(state), 'rows': [dict(r, policy={}) for r in rows]}))
+    root, _, _ = folder
+    write_run(root, 'r', 'capskip', 4, 8, 60.0, 0.77, kept=0.6, final_extra={'all_rows_steps': 12})
+    write_run(root, 'r', 'dense', 4, 8, 80.0, 0.77)
+    assert report_main([str(root), '--out', str(tmp_path / 'rep'), '--no-figures']) == 0
+    missing = read_csv(tmp_path / 'rep' / 'missing.csv')
+    assert any(m['where'] == 'r/capskip/seed4/ep8' and m['problem'].startswith('12 step(s) back-propagated every row')
+               for m in missing), missing
+    eq = {(r['arm'], r['epochs']): r for r in read_csv(tmp_path / 'rep' / 'r__equal_epochs.csv')}
+    assert eq[('capskip', '8')]['n'] == '4'                   # still compared: the run is complete and exact

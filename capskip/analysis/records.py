@@ -36,7 +36,9 @@ FINAL_FIELDS = {'recipe': 'str', 'arm': 'str', 'seed': 'int', 'epochs': 'int', '
                 'diverged': 'dict', 'last_finite_epoch': 'int', 'config_hash': 'str',
                 # causal-LM runs (capskip.runs.lm): mean cross-entropy per labelled token and its exp
                 'val_loss': 'count', 'val_ppl': 'number', 'test_loss': 'count', 'test_ppl': 'number',
-                'best_val_loss': 'count', 'train_loss': 'number'}
+                'best_val_loss': 'count', 'train_loss': 'number',
+                # steps whose backward ran every row though the rule kept fewer (exact, nothing saved); absent when none
+                'all_rows_steps': 'count'}
 FINAL_REQUIRED = ('recipe', 'arm', 'seed', 'epochs', 'train_time_s', 'val_acc', 'test_acc', 'rows_backprop_frac',
                   'kept_fraction', 'complete')
 DIVERGED_FIELDS = {'epoch': 'int', 'step': 'int', 'steps': 'int', 'what': 'str', 'peak_lr': 'number'}

@@ -342,6 +342,11 @@ def index_runs(runs: list[Run], metric: str, notes: Notes) -> dict:
         if not run.complete:
             notes.add(where(run.group, run.arm, run.epochs, run.seed), run.problem)
             continue
+        if run.final.get('all_rows_steps'):                   # the work was not skipped on those steps
+            notes.add(where(run.group, run.arm, run.epochs, run.seed),
+                      f"{run.final['all_rows_steps']} step(s) back-propagated every row though the rule kept fewer (reforward "
+                      'with dropout, or a reuse trace it could not slice): exact, but nothing was saved there, and '
+                      'rows_backprop_frac counts the rule\'s kept rows')
         groups.setdefault(run.group, []).append(run)
     out = {}
     for group, rs in sorted(groups.items()):

@@ -276,6 +276,7 @@ def final_summary(state: RunState) -> dict:
     backprop = sum(r['rows_backprop'] or 0 for r in rows)
     forwarded = sum(r['rows_forwarded'] or 0 for r in rows)
     kept = [r['kept_fraction'] for r in rows if r['kept_fraction'] is not None]
+    all_rows = sum(int((r.get('policy') or {}).get('all_rows_steps') or 0) for r in rows)   # no saving on those steps
     last = rows[-1]
     return {'recipe': cfg.recipe, 'arm': cfg.arm, 'seed': cfg.seed, 'epochs': cfg.epochs,
             'train_time_s': state.train_time_s, 'val_acc': last['val_acc'], 'test_acc': last['test_acc'],
@@ -285,7 +286,8 @@ def final_summary(state: RunState) -> dict:
             'best_val_acc': max((r['val_acc'] for r in rows if r['val_acc'] is not None), default=None),
             'eval_time_s': sum(r.get('eval_time_s') or 0.0 for r in rows),
             'warmup_time_s': sum(r.get('warmup_time_s') or 0.0 for r in rows),
-            'time_matched': cfg.time_matched, 'status': 'complete', 'complete': True}
+            'time_matched': cfg.time_matched, 'status': 'complete', 'complete': True,
+            **({'all_rows_steps': all_rows} if all_rows else {})}
 
 def _log(progress: str, text: str, dist=None) -> None:
     if progress != 'none' and (dist is None or dist.rank == 0): tqdm.write(text)
