@@ -107,3 +107,13 @@ def test_time_matched_dense_onto_a_budget_of_the_grid_is_one_line(tmp_path, caps
     out, err = capsys.readouterr()
     assert not result.failed and len(result.records) == 4, result.records
     assert 'is dense at 1 epochs (ratio 0.500), a budget of the grid itself' in out and 'Traceback' not in err
+
+
+def test_the_table_says_which_runs_saved_nothing_on_some_steps():
+    "A run whose final.json holds all_rows_steps gets a line under the table: its bwd rows are the rule's, not the work done."
+    from capskip.runs.sweep import SweepResult
+    final = {'train_time_s': 3.0, 'test_acc': 0.9, 'rows_backprop_frac': 0.6}
+    res = SweepResult([{'arm': 'capskip', 'seed': 1, 'epochs': 2, 'status': 'done', 'final': dict(final, all_rows_steps=7)},
+                       {'arm': 'capskip', 'seed': 2, 'epochs': 2, 'status': 'done', 'final': final}])
+    lines = res.table().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith('capskip seed 1: 7 step(s) back-propagated every row'), lines

@@ -87,6 +87,9 @@ class SweepResult:
             lines.append(f'{r["arm"]:<28} {r["seed"]:>5} {r["epochs"]:>6} {r["status"]:<8} '
                          f'{fmt(f.get("train_time_s"), ".1f"):>8} {fmt(f.get("test_acc"), ".4f"):>8} '
                          f'{fmt(f.get("rows_backprop_frac"), ".1%"):>8}' + (f' {fmt(f.get("test_ppl"), ".3f"):>9}' if lm else ''))
+        lines += [f'{r["arm"]} seed {r["seed"]}: {r["final"]["all_rows_steps"]} step(s) back-propagated every row though the '
+                  "rule kept fewer (nothing saved there; bwd rows counts the rule's kept rows)"
+                  for r in self.records if (r.get('final') or {}).get('all_rows_steps')]
         return '\n'.join(lines)
 
 def _run_one(spec: RunSpec, out, overrides: dict, named: dict, progress: str, result: SweepResult, log) -> dict | None:
