@@ -247,6 +247,10 @@ def test_causal_lms_pass_the_check_and_what_they_cannot_follow_is_refused(data, 
     with pytest.raises(ValueError, match=r'BertForTokenClassification tags tokens without a shift: train it with transformers'):
         check_classifier(BertForTokenClassification(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1,
                                                                num_attention_heads=2, intermediate_size=64)))
+    from transformers import BertForMaskedLM                                  # aligned labels: before, refused for its loss's
+    with pytest.raises(ValueError, match=r"BertForMaskedLM's labels are aligned with its logits .* own loop"):   # reduction
+        check_classifier(BertForMaskedLM(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=64)))
     for extra, message in (({'label_smoothing_factor': 0.1}, r'label_smoothing=0.1 was given: drop TrainingArguments'),
                            ({}, r"capskip=\{'reweight': 'rw'\} was given: drop it")):
         capskip = {'budget': 0.5} if extra else {'budget': 0.5, 'reweight': 'rw'}

@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..engine.inputs import extra_loss_error, extra_losses
-from ..skip import CAPSkip, prompt_labels, virtual_tokens
+from ..skip import CAPSkip, batch_labels_shifted, prompt_labels, virtual_tokens
 from ..steps import IGNORE_INDEX, StepStats, shifted_labels
 from ..runs.runio import atomic_write_bytes
 
@@ -45,6 +45,10 @@ def check_classifier(model: nn.Module) -> None:
     if name in _TOKEN_CLASSIFIERS:
         raise ValueError(f'CAPSkipTrainer takes [B, L, V] logits as a causal LM\'s (labels shifted by one); {name} tags '
                          f'tokens without a shift: train it with transformers.Trainer')
+    if batch_labels_shifted(model) is False:                         # a masked LM, a seq2seq decoder: aligned labels
+        raise ValueError(f'CAPSkipTrainer takes [B, L, V] logits as a causal LM\'s (labels shifted by one); {name}\'s labels '
+                         f'are aligned with its logits (a masked LM, a seq2seq decoder): train it with transformers.Trainer, '
+                         f'or with CAPSkip in your own loop, whose skip.loss keeps them aligned')
     config = getattr(model, 'config', None)
     kind, labels = getattr(config, 'problem_type', None), getattr(config, 'num_labels', None)
     if kind not in (None, 'single_label_classification') or labels == 1:
