@@ -151,6 +151,30 @@ def test_an_moe_router_loss_is_refused_in_one_line(data, tmp_path):
         trainer.train()
 
 
+def aligned_rows(kind: str, n: int = ROWS, seed: int = 2) -> list[dict]:
+    "The counting rows with aligned labels: 5 token tags (the token mod 5), or a masked LM's targets (30% of the tokens)."
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in counting_rows(n):
+        tags = torch.where(r['attention_mask'].bool(), r['input_ids'] % 5, -100)
+        picked = torch.where((torch.rand(L, generator=g) < 0.3) & r['attention_mask'].bool(), r['input_ids'], -100)
+        out.append(dict(r, labels=tags if kind == 'tags' else picked))
+    return out
+
+
+@pytest.mark.parametrize('kind', ['tags', 'mlm'])
+def test_budget_0_on_aligned_labels_trains_what_the_trainer_trains(kind, tmp_path):
+    "A token classifier and a masked LM: sequence rows whose labels the door keeps aligned (before: the tagger was refused, and the masked LM trained on shifted labels)."
+    from transformers import BertForMaskedLM
+    torch.manual_seed(0)
+    bert = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16)
+    base = BertForTokenClassification(bert) if kind == 'tags' else BertForMaskedLM(bert)
+    plain, skipped, trainer = side_by_side(base, aligned_rows(kind), tmp_path, capskip={'mode': 'reuse'})
+    assert_same(plain, skipped)
+    assert int(trainer.skip.last.kept) == trainer.skip.last.forwarded and float(max(v.abs().max() for v in plain.values())) > 0
+
+
 def checkpointed(model):
     model.gradient_checkpointing_enable(); model.config.use_cache = False
     return model
@@ -244,13 +268,10 @@ def test_the_probe_compares_with_the_shifted_labels(counted, data):
 
 def test_causal_lms_pass_the_check_and_what_they_cannot_follow_is_refused(data, tmp_path):
     for model in (lm('gpt2'), lora(lm('llama'))): check_classifier(model)                  # no error
-    with pytest.raises(ValueError, match=r'BertForTokenClassification tags tokens without a shift: train it with transformers'):
-        check_classifier(BertForTokenClassification(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1,
-                                                               num_attention_heads=2, intermediate_size=64)))
-    from transformers import BertForMaskedLM                                  # aligned labels: before, refused for its loss's
-    with pytest.raises(ValueError, match=r"BertForMaskedLM's labels are aligned with its logits .* own loop"):   # reduction
-        check_classifier(BertForMaskedLM(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                    intermediate_size=64)))
+    from transformers import T5Config, T5ForConditionalGeneration
+    with pytest.raises(ValueError, match=r"T5ForConditionalGeneration builds its decoder's inputs from them"):
+        check_classifier(T5ForConditionalGeneration(T5Config(vocab_size=30, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                             num_heads=2)))
     for extra, message in (({'label_smoothing_factor': 0.1}, r'label_smoothing=0.1 was given: drop TrainingArguments'),
                            ({}, r"capskip=\{'reweight': 'rw'\} was given: drop it")):
         capskip = {'budget': 0.5} if extra else {'budget': 0.5, 'reweight': 'rw'}

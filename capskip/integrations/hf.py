@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..engine.inputs import extra_loss_error, extra_losses
@@ -27,7 +27,7 @@ __all__ = ['PROBE_ITEMS', 'is_causal_lm', 'check_classifier', 'check_sequence_op
 
 # %% ../../nbs/12c_hf.ipynb #196ba83d
 _CAUSAL_LMS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())              # the classes the Trainer shifts labels for
-_TOKEN_CLASSIFIERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
+_SEQ2SEQ = frozenset(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())       # their decoder's inputs come from the labels
 
 def _inner_model(model: nn.Module) -> nn.Module:
     "The transformers model a PEFT wrapper holds (`get_base_model()`), or `model` itself."
@@ -39,16 +39,13 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(_inner_model(model)).__name__ in _CAUSAL_LMS
 
 def check_classifier(model: nn.Module) -> None:
-    "Refuse a model whose loss is neither single-label cross-entropy nor a causal LM's (regression, multi-label, token tags), in one line."
+    "Refuse a model whose loss is not single-label cross-entropy over rows or over a sequence's tokens (a causal LM's, a token classifier's, a masked LM's), or whose decoder reads the labels (seq2seq), in one line."
     if is_causal_lm(model): return                                   # next-token cross-entropy over sequence rows
     name = type(_inner_model(model)).__name__
-    if name in _TOKEN_CLASSIFIERS:
-        raise ValueError(f'CAPSkipTrainer takes [B, L, V] logits as a causal LM\'s (labels shifted by one); {name} tags '
-                         f'tokens without a shift: train it with transformers.Trainer')
-    if batch_labels_shifted(model) is False:                         # a masked LM, a seq2seq decoder: aligned labels
-        raise ValueError(f'CAPSkipTrainer takes [B, L, V] logits as a causal LM\'s (labels shifted by one); {name}\'s labels '
-                         f'are aligned with its logits (a masked LM, a seq2seq decoder): train it with transformers.Trainer, '
-                         f'or with CAPSkip in your own loop, whose skip.loss keeps them aligned')
+    if name in _SEQ2SEQ:
+        raise ValueError(f'CAPSkipTrainer takes the labels out of the batch, and {name} builds its decoder\'s inputs from them: '
+                         f'train it with transformers.Trainer')
+    if batch_labels_shifted(model) is False: return                  # token tags, a masked LM: sequence rows, labels aligned
     config = getattr(model, 'config', None)
     kind, labels = getattr(config, 'problem_type', None), getattr(config, 'num_labels', None)
     if kind not in (None, 'single_label_classification') or labels == 1:
@@ -94,7 +91,8 @@ def loss_reduction(model: nn.Module, inputs: dict, label_key: str = 'labels') ->
     if loss is None: return 'items'                                  # no loss of its own: the Trainer's count applies
     logits = (out['logits'] if isinstance(out, dict) else out.logits).float()
     labels = prompt_labels(labels, logits, virtual_tokens(model))      # a PEFT prompt-tuning model's virtual tokens: -100
-    if logits.ndim == 3: labels = shifted_labels(labels, IGNORE_INDEX)    # position t predicts token t + 1
+    if logits.ndim == 3 and batch_labels_shifted(model) is not False:    # a causal LM's: position t predicts token t + 1
+        labels = shifted_labels(labels, IGNORE_INDEX)
     total = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
                                   reduction='sum'))
     n = int((labels != IGNORE_INDEX).sum())
