@@ -125,7 +125,7 @@ def test_a_lora_scaling_changed_after_the_trace_is_traced_anew_on_a_causal_lm():
         ids = torch.randint(1, 32, (4, 10), generator=g)
         if step == 2: rescale(model); rescale(ref)
         for m, s in ((model, skip), (ref, plain)):
-            m.zero_grad(); s.loss(s(input_ids=ids), ids).backward()
+            m.zero_grad(); s.loss(s(input_ids=ids), ids, shift_labels=True).backward()   # Hugging Face's labels: the ids
         top, rel = grad_errors(model_grads(model), model_grads(ref))
         assert top < TOL and rel < TOL, (step, top, rel)
     traces = [t for call in skip.engine.modules() for t in reuse.cached_traces(call)]
