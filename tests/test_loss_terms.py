@@ -2,7 +2,8 @@
 bonus or a distillation term on every row's logits sends gradient to rows the rule dropped. The backward runs them
 (exact: plain autograd of the kept rows' cross-entropy plus the term), and says once that nothing was saved on them
 while `StepStats.kept` counts the rule's rows (before: the same gradient, and the statistics claimed the skipped rows
-with no word). A term on the kept rows alone, or on the parameters, gives no word."""
+with no word). A term on the kept rows alone, or on the parameters, gives no word. A term on every row makes the step save nothing:
+`StepStats.all_rows` and the counters' `all_rows_steps` say so (before: False and 0, stop 54)."""
 import warnings
 
 import pytest
@@ -36,19 +37,23 @@ def lm_batch():
 
 def z_loss(z): return 1e-1 * z.logsumexp(-1).square().mean()               # PaLM's auxiliary z-loss, every row
 def kept_z_loss(applied): return lambda z: z_loss(z[applied > 0])          # the same term on the kept rows alone
+def one_dropped_z_loss(applied):                                           # the term on the kept rows and one dropped row
+    rows = (applied > 0) | (torch.arange(len(applied)) == int((applied == 0).nonzero()[0]))
+    return lambda z: z_loss(z[rows])
 def entropy(z): return 1e-1 * (z.softmax(-1) * z.log_softmax(-1)).sum(-1).mean()
 
 
-def lm_step(mode, term, record=True):
-    "One `skip.loss(...) + term(logits)` backward of the GPT-2 on float64: (its gradients, the applied weights, the kept count it recorded, the capskip warnings)."
+def lm_step(mode, term, record=True, every_row=None, budget=0.5):
+    "One `skip.loss(...) + term(logits)` backward of the GPT-2 on float64: (its gradients, the applied weights, the kept count it recorded, the capskip warnings); `every_row`, a list, gets (StepStats.all_rows, the counters' all_rows_steps)."
     model = lm()
-    skip = CAPSkip(model, budget=0.5, mode=mode)
+    skip = CAPSkip(model, budget=budget, mode=mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         z = skip(**lm_batch())
         loss = skip.loss(z)
         applied = skip.last.applied
-        (loss + term(applied)(z) if term is kept_z_loss else loss + term(z)).backward()
+        (loss + term(applied)(z) if term in (kept_z_loss, one_dropped_z_loss) else loss + term(z)).backward()
+    if every_row is not None: every_row += [skip.last.all_rows, skip.counters().get('all_rows_steps', 0)]
     skip.close()
     return model_grads(model), applied, int(skip.last.kept), [str(w.message) for w in caught if 'capskip' in str(w.message)]
 
@@ -71,19 +76,33 @@ def lm_reference(applied, term):
     y = batch['labels'][:, 1:]
     tok = F.cross_entropy(z[:, :-1].flatten(0, 1), y.flatten(), reduction='none').view(y.shape)
     loss = (tok.sum(1) * applied.double()).sum() / y.numel()
-    (loss + term(applied)(z) if term is kept_z_loss else loss + term(z)).backward()
+    (loss + term(applied)(z) if term in (kept_z_loss, one_dropped_z_loss) else loss + term(z)).backward()
     return model_grads(model)
 
 
 @pytest.mark.parametrize('mode', MODES)
 @pytest.mark.parametrize('term', [z_loss, entropy], ids=['z_loss', 'entropy'])
 def test_a_term_on_every_rows_logits_is_exact_and_said(mode, term):
-    got, applied, kept, said = lm_step(mode, term)
+    every_row = []
+    got, applied, kept, said = lm_step(mode, term, every_row=every_row)
     dropped = int((applied == 0).sum())
     assert 0 < dropped < B and kept == B - dropped          # the record: the rule's rows
     top, rel = grad_errors(got, lm_reference(applied, term))
     assert top < 1e-12 and rel < 1e-12, (top, rel)
     assert len(said) == 1 and f'{WORD} {dropped} row(s)' in said[0] and f'ran {B} of {B} rows' in said[0], said
+    assert every_row == [True, 1]                           # nothing saved on this step, and its record says so (before: False, 0)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_term_on_one_dropped_row_is_said_but_the_step_saved_the_others(mode):
+    every_row = []
+    got, applied, kept, said = lm_step(mode, one_dropped_z_loss, every_row=every_row, budget=0.9)
+    dropped = int((applied == 0).sum())
+    assert 1 < dropped < B and kept == B - dropped
+    top, rel = grad_errors(got, lm_reference(applied, one_dropped_z_loss))
+    assert top < 1e-12 and rel < 1e-12, (top, rel)
+    assert len(said) == 1 and f'{WORD} 1 row(s)' in said[0] and f'ran {B - dropped + 1} of {B} rows' in said[0], said
+    assert every_row == [False, 0]                          # not every row: the other dropped rows were saved
 
 
 @pytest.mark.parametrize('mode', MODES)

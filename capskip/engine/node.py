@@ -69,6 +69,7 @@ class SkipNode:
     rule_keep: torch.Tensor | None = None  # bool [B]: the rows the loss's rule kept (`note_rule_rows`): to say when another term made the backward run more
     on_all_rows: Any = None                # the loss's record, called once if the backward ran every row though the rule kept fewer (`note_all_rows`)
     spent: Any = None                      # the state the backward under way took (its `all_rows`, once the first stage ran)
+    beyond_all: bool = False               # another term's gradient made the backward run every row though the rule kept fewer
 
 def hand_over(node: SkipNode, logits: torch.Tensor, rows_grad: torch.Tensor, keep: torch.Tensor, kept: int) -> torch.Tensor:
     "Give `node` the kept rows' upstream gradient [kept, ...] beside autograd; returns the stride-0 zero to back-propagate from `logits` instead."
@@ -92,9 +93,9 @@ def note_all_rows(logits: torch.Tensor, tell) -> None:
     if node is not None: node.on_all_rows = tell
 
 def _told_all_rows(node: SkipNode) -> None:
-    "After the backward's first stage (the executor has chosen its rows by then): `on_all_rows()` if it ran every row though the rule kept fewer."
+    "After the backward's first stage (the executor has chosen its rows by then): `on_all_rows()` if it ran every row though the rule kept fewer (the executor could not slice, or another term of the loss reached every dropped row)."
     state, tell, node.spent, node.on_all_rows = node.spent, node.on_all_rows, None, None
-    if tell is not None and getattr(state, 'all_rows', False): tell()
+    if tell is not None and (getattr(state, 'all_rows', False) or node.beyond_all): tell()
 
 def _beyond_rule(node: SkipNode, B: int, kept: int, beyond: int) -> None:
     "Warn once per executor that another term's gradient made the backward run `beyond` of the B rows the rule dropped."
@@ -103,7 +104,8 @@ def _beyond_rule(node: SkipNode, B: int, kept: int, beyond: int) -> None:
     ex.warned_beyond_rule = True
     msg = (f'capskip {node.mode}: a term of the loss besides skip.loss sent gradient to {beyond} row(s) that the rule dropped, '
            f'so this backward ran {kept} of {B} rows (exact, but nothing saved on those rows); StepStats.kept and the '
-           'counters count the rows the rule kept. Compute that term on the kept rows only (StepStats.applied > 0) to save '
+           'counters count the rows the rule kept, and a step that ran every row says so (StepStats.all_rows, '
+           'all_rows_steps in the counters). Compute that term on the kept rows only (StepStats.applied > 0) to save '
            'them (warned once)')
     logging.getLogger('capskip.engine').warning(msg); warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
@@ -149,6 +151,7 @@ def _start(node: SkipNode, grad_logits: torch.Tensor):
             n = keep.shape[0] + 1
             kept, beyond = divmod(int(keep.sum() * n + (keep & ~rule.to(keep.device)).sum()), n)   # two counts ≤ B in one read
             if beyond: _beyond_rule(node, rule.shape[0], kept, beyond)
+            node.beyond_all = bool(beyond) and kept == rule.shape[0]   # every row ran: the loss is told (`note_all_rows`)
     node.keep, node.kept = keep, kept
     state, node.state, ex = node.state, None, node.executor
     node.spent = state
