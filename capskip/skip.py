@@ -29,10 +29,10 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
                            record, run_step, sequence_loss, shifted_labels, step_loss)
 
 # %% auto #0
-__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'FORWARD_TAG', 'UNSHIFTED_ERROR',
-           'SkipOptions', 'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features',
-           'copied_features', 'virtual_tokens', 'prompt_labels', 'unshifted', 'batch_labels_shifted', 'CAPSkip',
-           'check_capskip_options', 'check_loss_options']
+__all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'OTHER_OUTPUTS_ERROR',
+           'FORWARD_TAG', 'UNSHIFTED_ERROR', 'SkipOptions', 'skip_options', 'capskip_decision', 'Mark',
+           'marked_through', 'Made', 'aligned_features', 'copied_features', 'virtual_tokens', 'prompt_labels',
+           'unshifted', 'batch_labels_shifted', 'CAPSkip', 'check_capskip_options', 'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -109,6 +109,9 @@ NOT_SKIP_LOGITS_ERROR = ("skip.loss needs the logits that skip(x) returned in th
 FLAT_SEQUENCE_ERROR = ("skip.loss takes a causal LM's token logits as [B, L, V] with labels [B, L] (a row of the rule is a "
                        "sequence), not flattened to [B·L, V]: pass skip.loss(logits) (it shifts the batch's labels) or "
                        "skip.loss(logits[:, :-1], labels[:, 1:])")
+OTHER_OUTPUTS_ERROR = ("skip(...) returns the logits alone, so the {} that {}=True asks for would not reach you (CAPSkip's "
+                       "node carries the logits and their gradient only): leave it out of skip(...)'s call, or call the model "
+                       "itself for a forward that needs them")
 FORWARD_TAG = 'capskip_forward'    # the key of a forward's `Mark` in its logits' autograd node's `metadata`
 
 class Mark:
@@ -270,6 +273,8 @@ class CAPSkip:
 
     def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
+        for key in ('output_hidden_states', 'output_attentions'):   # fields of the output that skip(...) does not return
+            if kwargs.get(key): raise ValueError(OTHER_OUTPUTS_ERROR.format(key[len('output_'):].replace('_', ' '), key))
         fwd = self.engine.forward(*args, **kwargs)
         labels = prompt_labels(labels, fwd.logits, virtual_tokens(self.model), self.options.ignore_index)   # PEFT prompt tuning
         ids = kwargs.get('input_ids', args[0] if args else None)

@@ -2,7 +2,8 @@
 two forwards whose losses are summed before one backward, `torch.autograd.grad` instead of `.backward()`, a validation
 forward under `torch.no_grad()` between steps, a batch of one sequence, gradient accumulation over prompt-masked
 micro-batches with the whole batch's token count as denominator, left padding, a model trained in pure bf16, and a PEFT
-prompt-tuning model (its logits carry virtual tokens the batch's labels lack: padded as PEFT pads them, stop 53).
+prompt-tuning model (its logits carry virtual tokens the batch's labels lack: padded as PEFT pads them, stop 53),
+and a call asking skip for hidden states or attentions (refused in one line, stop 54).
 Each against plain autograd of the kept rows (float64, or bf16 against a float64 truth)."""
 import copy
 
@@ -282,4 +283,15 @@ def test_batch_labels_of_an_undecided_class_are_refused():
     with pytest.raises(ValueError, match=r"cannot tell whether the batch's labels for XLMWithLMHeadModel are shifted.*shift_labels=True"):
         skip.loss(z)
     assert torch.equal(skip.loss(z, shift_labels=False), skip.loss(z, IDS, shift_labels=False))
+    skip.close()
+
+
+@pytest.mark.parametrize('key', ['output_hidden_states', 'output_attentions'])
+def test_asking_skip_for_more_than_the_logits_is_refused_in_one_line(key):
+    "`out = skip(**batch, output_hidden_states=True)` for an auxiliary loss on `out.hidden_states`: skip returns the logits alone, so the call is refused in one line (before: an AttributeError on a tensor, later in the user's loop, stop 54)."
+    skip = capskip.CAPSkip(gpt2(), budget=0.5)
+    with pytest.raises(ValueError, match=f"returns the logits alone.*{key}=True") as e:
+        skip(input_ids=IDS, labels=IDS, **{key: True})
+    assert '\n' not in str(e.value)
+    assert skip({'input_ids': IDS, 'labels': IDS, key: False}).shape == (6, 8, 64)   # False asks for nothing more
     skip.close()
