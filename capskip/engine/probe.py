@@ -208,7 +208,8 @@ def _beyond_noise(clean, again, out, batch: int, rows) -> bool:
 SUBSET_TOL = {2: 5e-2, 4: 1e-2, 8: 1e-2}   # by bytes per value. Our choice: kernels picked by batch size move fp32
                                            # outputs by ~1e-6 of their scale, 16-bit ones by a few ulps; a capacity by O(0.1-1)
 KERNEL_TOL = {2: 1e-2, 4: 1e-5, 8: 1e-12}  # by bytes per value: round-off of a kernel picked by how many rows an op sees
-                                           # (an MoE expert's matmul on 1 or 2 routed rows), 10-100x its size (our choice)
+                                           # (an MoE expert's matmul on 1 or 2 routed rows), 10-100x its size (our choice;
+                                           # float32 measured ≤ 4e-7 of the scale: tools/moe_roundoff.py)
 
 def _beyond_kernels(clean, out, batch: int, rows) -> bool:
     "Whether the other rows of `out` moved from `clean` by more than `KERNEL_TOL` of their scale (or are no batch-first float of the same shape)."
