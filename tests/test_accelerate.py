@@ -28,7 +28,7 @@ def digits():
     return trained_digits_mlp(), X[:64], Y[:64]
 
 
-def run(base, x, y, mixed_precision='no'):
+def run(base, x, y, mixed_precision='no', **options):
     "One optimizer step of the recipe over two accumulated micro-batches of 32; (gradient at the step, micro-batches, model, metrics)."
     AcceleratorState._reset_state(reset_partial_state=True)   # accelerate's state is a process singleton (its own tests reset it)
     accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=mixed_precision, cpu=True)
@@ -36,7 +36,7 @@ def run(base, x, y, mixed_precision='no'):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
-    skip = capskip.CAPSkip(model)
+    skip = capskip.CAPSkip(model, **options)
     seen, metrics = [], []
     for xb, yb in data:
         with accelerator.accumulate(model):
@@ -74,6 +74,17 @@ def test_accumulated_step_is_autograd_of_the_kept_rows(digits):
     for m, (_, _, applied) in zip(metrics, seen):
         assert m['capskip/kept_fraction'] == pytest.approx(int((applied > 0).sum()) / 32)
         assert 0 < m['capskip/distortion'] <= capskip.DEFAULT_BUDGET + 1e-6 and m['capskip/loss'] > 0
+        assert m['capskip/all_rows_fraction'] == 0.0                       # reuse ran the kept rows alone
+
+
+def test_a_step_whose_backward_ran_every_row_is_in_the_metrics(digits):
+    "Dropout in `reforward`: each backward ran every row to replay the masks (exact, nothing saved); `step_metrics` after the backward says so (before: the kept fraction alone; stop 54)."
+    base, x, y = digits
+    model = torch.nn.Sequential(*base[:-1], torch.nn.Dropout(0.1), base[-1])
+    with pytest.warns(RuntimeWarning, match='draws random numbers'):
+        _, seen, _, metrics = run(model, x, y, mode='reforward')
+    assert all(0 < int((a > 0).sum()) < 32 for _, _, a in seen)
+    assert [m['capskip/all_rows_fraction'] for m in metrics] == [1.0, 1.0] and all(m['capskip/kept_fraction'] < 1 for m in metrics)
 
 
 def test_bf16_mixed_precision(digits):

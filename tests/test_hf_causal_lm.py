@@ -219,6 +219,7 @@ def test_lora_step_at_budget_half_is_autograd_of_the_kept_sequences(counted, dat
     log = trainer.state.log_history[0]
     assert log['capskip/kept_fraction'] == pytest.approx(sum(kept) / 16) and log['capskip/kept_fraction'] < 1
     assert 0 < log['capskip/distortion'] <= 0.5 + 1e-6
+    assert log['capskip/all_rows_fraction'] == 0.0          # no dropout: reforward's backward ran the kept rows alone
     everyone = grad_errors(recorder.grads, reference_all_rows(base, micro, n))[1]
     assert everyone > 1e-2, everyone                                                    # the dropped rows mattered
 
@@ -290,3 +291,18 @@ def test_budget_0_on_a_soft_capped_gemma2_trains_what_the_trainer_trains(data, t
     plain, skipped, trainer = side_by_side(base, data, tmp_path, capskip={'mode': 'reuse'})
     assert_same(plain, skipped)
     assert trainer.skip.engine.last_capture.logit_map.cap == 30.0
+
+
+def test_micro_batches_whose_backward_ran_every_row_are_logged(counted, data, tmp_path):
+    "Attention dropout in `reforward`: its second forward replays the random masks only over every row, so each backward ran every row (exact, nothing saved). The log says so beside the rule's kept fraction (before: the kept fraction alone, a saving that did not happen; stop 54)."
+    model = copy.deepcopy(counted)
+    for m in model.modules():
+        if hasattr(m, 'attention_dropout'): m.attention_dropout = 0.1
+    trainer = CAPSkipTrainer(model=model, args=arguments(tmp_path, max_steps=1, learning_rate=0.0, logging_steps=1),
+                             train_dataset=data, capskip={'budget': 0.5, 'mode': 'reforward'})
+    trainer.remove_callback(PrinterCallback)
+    with pytest.warns(RuntimeWarning, match="draws random numbers.*mode='reuse'"):       # said once, too
+        trainer.train()
+    log = trainer.state.log_history[0]
+    assert log['capskip/kept_fraction'] < 1 and log['capskip/all_rows_fraction'] == 1.0, log
+    assert trainer.skip.counters()['all_rows_steps'] == 2                                # both micro-batches

@@ -90,6 +90,19 @@ def test_one_step_is_autograd_of_the_kept_rows_and_is_logged(digits):
     assert float(logged['capskip/kept_fraction']) == pytest.approx(kept / 64)
     assert float(logged['capskip/distortion']) == pytest.approx(float(module.skip.last.distortion))
     assert 0 < float(logged['capskip/distortion']) <= capskip.DEFAULT_BUDGET + 1e-6
+    assert float(logged['capskip/all_rows_fraction']) == 0.0                 # reuse ran the kept rows alone
+
+
+def test_a_step_whose_backward_ran_every_row_is_logged_and_said(digits):
+    "Dropout in `reforward`: the second forward runs every row to replay the masks (exact, nothing saved). The callback logs it beside the rule's kept fraction and the executor says it once (before: the kept fraction alone and no word; stop 54)."
+    base, x, y = digits
+    model = torch.nn.Sequential(*base[:-1], torch.nn.Dropout(0.1), base[-1])    # the trained MLP, dropout before its head
+    module = DigitsModule(copy.deepcopy(model), mode='reforward')
+    with pytest.warns(RuntimeWarning, match="draws random numbers.*mode='reuse'"):
+        trainer = fit(module, x, y)
+    logged = trainer.callback_metrics
+    assert float(logged['capskip/kept_fraction']) < 1 and float(logged['capskip/all_rows_fraction']) == 1.0
+    assert module.skip.last.all_rows and module.skip.counters()['all_rows_steps'] == 1
 
 
 def test_accumulate_grad_batches(digits):

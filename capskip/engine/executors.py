@@ -138,6 +138,7 @@ class Reforward(Executor):
             xk, tangent = x.index_select(0, rows), kept_rows_of(grad_logits, keep, kept)
         else:                                            # random masks (dropout) depend on the batch: every row, same RNG
             xk, state.all_rows = x, kept < keep.shape[0] # recorded: Forward.all_rows, StepStats.all_rows
+            if state.all_rows and start is not None: self.warn_random()
             tangent = full_rows_of(grad_logits, keep, kept)
         if self.compile: mark_rows_dynamic(xk)
         stand_ins = {n: p.detach().requires_grad_() for n, p in params}
@@ -157,6 +158,15 @@ class Reforward(Executor):
         missing = [n for (n, _), g in zip(params, grads) if g is None]
         if missing and (err := unreached_error(self.model, missing, self.mode, held)) is not None: raise err
         return list(grads)
+
+    def warn_random(self) -> None:
+        "Say once per executor that the forward's random numbers made the backward run every row (exact, no saving)."
+        if getattr(self, '_warned_random', False): return
+        self._warned_random = True
+        warnings.warn("capskip reforward: the model's forward draws random numbers (dropout), which only a second forward of "
+                      'every row replays, so the backward ran every row (exact, no saving; StepStats.all_rows and the '
+                      "counters' all_rows_steps record each such step): use mode='reuse', which back-propagates the kept rows "
+                      'on the forward\'s own masks, or switch dropout off (warned once)', RuntimeWarning, stacklevel=2)
 
     def counts_tokens(self) -> bool:
         "Whether the model holds an embedding that counts tokens over the batch (`frequency_scaled`): its second forward then runs every row (said once)."

@@ -14,10 +14,10 @@ __all__ = ['step_metrics']
 
 # %% ../../nbs/12b_accelerate.ipynb #8931d0b7
 def step_metrics(skip: CAPSkip, prefix: str = 'capskip') -> dict[str, float]:
-    "The last step's kept fraction, realised distortion and mean loss as floats (one host read), e.g. for `accelerator.log`."
+    "The last step's kept fraction, realised distortion, mean loss and whether its backward ran every row (1.0: exact, nothing saved; known once `backward` ran) as floats (one host read), e.g. for `accelerator.log`."
     stats = skip.last
     if stats is None: raise ValueError('step_metrics(skip) reads the last step: call skip.loss(skip(x), y) (or skip.step) first')
     kept = stats.kept if isinstance(stats.kept, torch.Tensor) else torch.tensor(stats.kept)
     values = torch.stack([kept.float().to(stats.distortion.device) / stats.forwarded, stats.distortion.float(),
-                          stats.loss_sum.float() / stats.forwarded]).tolist()
-    return {f'{prefix}/{k}': v for k, v in zip(('kept_fraction', 'distortion', 'loss'), values)}
+                          stats.loss_sum.float() / stats.forwarded]).tolist() + [float(bool(stats.all_rows))]
+    return {f'{prefix}/{k}': v for k, v in zip(('kept_fraction', 'distortion', 'loss', 'all_rows_fraction'), values)}

@@ -68,9 +68,10 @@ def step_counts(stats: StepStats) -> Tensor:
     return torch.stack([stats.kept.float().to(one.device), one * stats.forwarded, stats.distortion.float(), one])
 
 def log_values(counts: Tensor, prefix: str = 'capskip') -> dict[str, float]:
-    "Summed `step_counts` as the logged kept fraction and mean distortion (one host read)."
-    kept, forwarded, distortion, steps = counts.tolist()
-    return {f'{prefix}/kept_fraction': kept / forwarded, f'{prefix}/distortion': distortion / steps}
+    "Summed `step_counts` (and, fifth, the micro-batches whose backward ran every row) as the logged kept fraction, mean distortion and share of micro-batches that saved nothing (one host read)."
+    kept, forwarded, distortion, steps, *every = counts.tolist()
+    values = {f'{prefix}/kept_fraction': kept / forwarded, f'{prefix}/distortion': distortion / steps}
+    return values | ({f'{prefix}/all_rows_fraction': every[0] / steps} if every else {})
 
 # %% ../../nbs/12c_hf.ipynb #4ed35fcd
 PROBE_ITEMS = 1e6            # the num_items_in_batch that `loss_reduction` passes: the model's loss is then CE / 1e6 or a mean
@@ -122,6 +123,8 @@ class CAPSkipTrainer(Trainer):
         self.reduction: str | None = None            # 'items' or 'mean': `loss_reduction`, decided at the first step
         self._skip_model: nn.Module | None = None
         self._counts: Tensor | None = None
+        self._pending: StepStats | None = None       # the last micro-batch's statistics: its backward says if it ran every row
+        self._all_rows = 0                           # micro-batches since the last log whose backward ran every row
         self._resume_from: str | None = None
         self.add_callback(SaveCAPSkipState(self))
 
@@ -165,6 +168,7 @@ class CAPSkipTrainer(Trainer):
         if key not in inputs:
             raise ValueError(f'CAPSkipTrainer needs the labels of each batch under {key!r}; the batch has '
                              f'{sorted(inputs)}: set TrainingArguments(label_names=[KEY]) to the key that holds them')
+        self._settle()                               # the previous micro-batch's backward has run
         denominator = self.denominator(model, inputs, num_items_in_batch)
         skip = self.capskip_for(model)
         logits = skip(**inputs)
@@ -175,12 +179,20 @@ class CAPSkipTrainer(Trainer):
         self.loss_is_scaled_for_ga = scaled
         counts = step_counts(skip.last)
         self._counts = counts if self._counts is None else self._counts + counts
+        self._pending = skip.last
         return (loss, {'logits': logits}) if return_outputs else loss
+
+    def _settle(self) -> None:
+        "Count the last micro-batch if its backward ran every row (`StepStats.all_rows`, set by that backward)."
+        if self._pending is not None and self._pending.all_rows: self._all_rows += 1
+        self._pending = None
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         "The Trainer's log, with CAPSkip's kept fraction and distortion since the last training log (summed over processes)."
         if self._counts is not None and 'loss' in logs:
-            counts = self._counts
+            self._settle()
+            counts = torch.cat([self._counts, self._counts.new_tensor([float(self._all_rows)])])
+            self._all_rows = 0
             if self.args.world_size > 1: counts = self.accelerator.reduce(counts, reduction='sum')
             logs.update(log_values(counts))
             self._counts = None

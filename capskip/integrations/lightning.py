@@ -21,8 +21,9 @@ def find_skips(module: nn.Module) -> dict[str, CAPSkip]:
             for name, value in vars(sub).items() if isinstance(value, CAPSkip)}
 
 def step_values(stats: StepStats) -> dict[str, Tensor]:
-    "The step's kept fraction and realised distortion as 0-d tensors on the device (logging them reads nothing back yet)."
-    return {'kept_fraction': stats.kept.float() / stats.forwarded, 'distortion': stats.distortion.float()}
+    "The step's kept fraction, realised distortion and whether its backward ran every row (1.0: exact, nothing saved) as 0-d tensors on the device (logging them reads nothing back yet)."
+    every = stats.distortion.new_full((), float(bool(stats.all_rows)))      # known once the backward ran
+    return {'kept_fraction': stats.kept.float() / stats.forwarded, 'distortion': stats.distortion.float(), 'all_rows_fraction': every}
 
 # %% ../../nbs/12a_lightning.ipynb #ecb4e1e4
 class CAPSkipCallback(pl.Callback):
