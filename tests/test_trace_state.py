@@ -221,3 +221,32 @@ def test_tensor_constants_that_change_every_step_are_exact_and_reuse_keeps_one_t
             assert top < TOL and rel < TOL, (step, top, rel)
     traces = [t for call in skip.engine.modules() for t in reuse.cached_traces(call)]
     assert len(traces) == (1 if mode == 'reuse' else 0) and all(not isinstance(t, str) for t in traces), traces
+
+
+def test_batches_of_a_few_lengths_keep_one_trace_each():
+    "A causal LM fed keyword batches padded to a few lengths (pad_to_multiple_of, what the 16-structure refusal advises): one trace per length. Before, each new length's head capture added a hook to lm_head, so every earlier length's trace saw the head's hooks change and was traced anew on its next batch (stop 54)."
+    from transformers import LlamaConfig, LlamaForCausalLM
+    def lm():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                                            intermediate_size=32, vocab_size=32, max_position_embeddings=32, bos_token_id=0,
+                                            eos_token_id=0, pad_token_id=0)).double()
+    model, ref = lm(), lm()
+    skip = CAPSkip(model, budget=0.5, mode='reuse')
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                                  # no retrace, no fallback
+        for L in (8, 16, 8, 24, 16, 8):
+            ids = torch.randint(1, 32, (4, L), generator=g)
+            model.zero_grad(); ref.zero_grad()
+            skip.loss(skip(input_ids=ids, labels=ids)).backward()
+            z = ref(input_ids=ids).logits[:, :-1]
+            tok = F.cross_entropy(z.flatten(0, 1), ids[:, 1:].flatten(), reduction='none').view(4, L - 1)
+            ((tok.sum(1) * skip.last.applied.double()).sum() / tok.numel()).backward()
+            top, rel = grad_errors(model_grads(model), model_grads(ref))
+            assert top < TOL and rel < TOL, (L, top, rel)
+    traces = [t for call in skip.engine.modules() for t in reuse.cached_traces(call)]
+    assert len(traces) == 3 and all(not isinstance(t, str) for t in traces), traces
+    assert len(model.lm_head._forward_hooks) == 2                       # the one-tensor call's capture and the keyword calls' one
+    skip.close()
+    assert len(model.lm_head._forward_hooks) == 0

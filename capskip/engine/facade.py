@@ -225,7 +225,8 @@ class Engine:
         self.head_arg, self.logits_fn = head, logits_fn
         self.capture = HeadCapture(resolve_head(model, head), model, explicit=head is not None)
         self.executor = self._executor(model, self.capture)
-        self.calls: dict = {}                            # InputSpec.key -> (ModelCall, its HeadCapture, its executor)
+        self.calls: dict = {}                            # InputSpec.key -> (ModelCall, the calls' HeadCapture, its executor)
+        self.call_capture: HeadCapture | None = None     # the head's capture in every ModelCall's forward (`HeadCapture.serve`)
         self.not_logits: set = set()                     # signatures of one-tensor calls whose output is not a tensor
         self.last_capture = self.capture
         self.fsdp_checked = False                        # sharded after construction: refused at the first forward
@@ -253,7 +254,7 @@ class Engine:
     def close(self) -> None:
         "Remove the head hooks."
         self.capture.close()
-        for _, capture, _ in self.calls.values(): capture.close()
+        if self.call_capture is not None: self.call_capture.close()
 
     def _plain(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         "The input tensor of a call the model's own executor runs: one tensor in, the logits tensor out (else None)."
@@ -281,7 +282,9 @@ class Engine:
                                  'graph: pad inputs to a fixed length (e.g. padding="max_length" or pad_to_multiple_of), keep the '
                                  'keywords the same from batch to batch, and pass a value that changes every step as a float or a tensor')
             call = ModelCall(self.model, spec, self.logits_fn)
-            capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
+            if self.call_capture is None:                # one capture serves every structure: the head keeps one hook
+                self.call_capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
+            capture = self.call_capture
             self.calls[spec.key] = (call, capture, self._executor(call, capture))
         call, capture, executor = self.calls[spec.key]
         if spec.live is not None and executor.skips:     # dense and masked run on the call's own tensors (`unpack_inputs`)
@@ -289,6 +292,7 @@ class Engine:
                              '(it requires grad): use mode="masked", or pass it detached (.detach()); a trained input such as a '
                              'soft prompt can be a parameter of the model instead')
         call.spec = spec
+        capture.serve(call)
         capture.verify(x)
         return executor, capture, x, spec
 

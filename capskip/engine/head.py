@@ -321,10 +321,11 @@ class HeadCapture:
     def __init__(self, head: nn.Module, model: nn.Module | None = None, explicit: bool = True):
         self.head, self.value, self.model, self.explicit, self.verified = head, None, model, explicit, {}
         self.call, self.calls = None, 0                  # the head's call that makes the logits (None: the last); calls so far
-        self.gathered, self._split_hook = False, None    # gathered heads (below)
+        self.gathered = False                            # gathered heads (below)
+        self._splits, self._resets = {}, {}              # model -> its hook that splits a gathered head's output / resets `calls`
         self.logit_map = LogitMap()                      # what maps the head's output to the logits (`logit_map`)
         self.shared = _CARRIERS.setdefault(head, _Carrier())   # one head carried once per forward, whatever hooks it
-        self._handle, self._reset = head.register_forward_hook(self._store), None
+        self._handle = head.register_forward_hook(self._store)
         self.path = self._path_of(head)
 
     def _path_of(self, module: nn.Module) -> str | None:
@@ -365,10 +366,21 @@ class HeadCapture:
             self.head, self._handle, self.path = head, head.register_forward_hook(self._store), self._path_of(head)
             self.shared = _CARRIERS.setdefault(head, _Carrier())
         self.call, self.gathered = call, gathered
-        if gathered and self._split_hook is None: self._split_hook = self.model.register_forward_hook(self._split)
-        if not gathered and self._split_hook is not None: self._split_hook.remove(); self._split_hook = None
-        if call is not None and self._reset is None: self._reset = self.model.register_forward_pre_hook(self._begin)
-        if call is None and self._reset is not None: self._reset.remove(); self._reset = None
+        self._model_hooks()
+
+    def _model_hooks(self) -> None:
+        "The hooks on the model served that the head's call needs: a split of a gathered head's output, a reset of `calls` (none once not needed, on every model served)."
+        for table, want, add in ((self._splits, self.gathered, lambda m: m.register_forward_hook(self._split)),
+                                 (self._resets, self.call is not None, lambda m: m.register_forward_pre_hook(self._begin))):
+            if not want:
+                for handle in table.values(): handle.remove()
+                table.clear()
+            elif self.model is not None and self.model not in table: table[self.model] = add(self.model)
+
+    def serve(self, model: nn.Module) -> None:
+        "Capture the head's input in `model`'s forwards from now on (another `ModelCall` over the same model): one hook on the head serves every call structure, so a structure's trace never sees the head's hooks change."
+        self.model = model
+        self._model_hooks()
 
     def _describe(self) -> str:
         return f'`{self.path}` ({type(self.head).__name__})' if self.path else type(self.head).__name__
@@ -398,7 +410,7 @@ class HeadCapture:
                     raise HeadError(f'the head {old} given as head= was replaced after the Engine was built, by '
                                     f'{type(now).__name__}, and that is not a head: {err}') from None
                 return self._verified(x, *found)
-        sig = (tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
+        sig = (self.model, tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)
         if sig in self.verified:
             head, call, gathered, self.logit_map = self.verified[sig]
             if (head, call, gathered) != (self.head, self.call, self.gathered): self._hook(head, call, gathered)
@@ -414,7 +426,7 @@ class HeadCapture:
         self.value = None
         self._hook(head, None if call == n - 1 and not gathered else call, gathered)
         self.logit_map = mapped
-        self.verified[(tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)] = (self.head, self.call, self.gathered, mapped)
+        self.verified[(self.model, tuple(x.shape[1:]), x.dtype, x.device.type, self.model.training)] = (self.head, self.call, self.gathered, mapped)
 
     def take(self) -> torch.Tensor:
         "The captured features, once (the capture is empty afterwards)."
@@ -431,5 +443,5 @@ class HeadCapture:
     def close(self) -> None:
         "Remove the hooks."
         self._handle.remove()
-        if self._reset is not None: self._reset.remove(); self._reset = None
-        if self._split_hook is not None: self._split_hook.remove(); self._split_hook = None
+        for handle in (*self._splits.values(), *self._resets.values()): handle.remove()
+        self._splits.clear(); self._resets.clear()
