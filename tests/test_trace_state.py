@@ -250,3 +250,41 @@ def test_batches_of_a_few_lengths_keep_one_trace_each():
     assert len(model.lm_head._forward_hooks) == 2                       # the one-tensor call's capture and the keyword calls' one
     skip.close()
     assert len(model.lm_head._forward_hooks) == 0
+
+
+class KeywordLM(nn.Module):
+    "A token model called with keywords (a ModelCall per structure): embedding, tanh, head over 12 tokens."
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(12, 6), nn.Linear(6, 12)
+    def forward(self, input_ids): return self.fc(torch.tanh(self.emb(input_ids)))
+
+
+@pytest.mark.parametrize('mode', ['reuse', 'reforward', 'masked'])
+def test_more_lengths_than_max_calls_keep_training_exactly(mode):
+    "Dynamic padding (a new length per batch) past `MAX_CALLS` structures: before, the 17th length stopped the run with a ValueError in every mode; now reuse runs later lengths in reforward with one warning, and the other modes, which keep no graph, go on (stop 54)."
+    from capskip.engine.facade import MAX_CALLS
+    from capskip.engine.executors import Reforward
+    def kw():
+        torch.manual_seed(0)
+        return KeywordLM().double()
+    model, ref = kw(), kw()
+    skip = CAPSkip(model, budget=0.5, mode=mode)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        for L in range(2, MAX_CALLS + 5):
+            ids, y = torch.randint(0, 12, (6, L), generator=g), torch.randint(0, 12, (6, L), generator=g)
+            model.zero_grad(); ref.zero_grad()
+            skip.loss(skip(input_ids=ids), y).backward()
+            tok = F.cross_entropy(ref(ids).flatten(0, 1), y.flatten(), reduction='none').view(6, L)
+            ((tok.sum(1) * skip.last.applied.double()).sum() / tok.numel()).backward()
+            top, rel = grad_errors(model_grads(model), model_grads(ref))
+            assert top < TOL and rel < TOL, (L, top, rel)
+    later = [str(w.message) for w in said if 'input structures' in str(w.message)]
+    assert len(later) == (1 if mode == 'reuse' else 0), later
+    executors = [executor for _, _, executor in skip.engine.calls.values()]
+    assert len(executors) == MAX_CALLS + 3
+    lean = [type(e) is Reforward for e in executors]
+    assert lean == ([False] * MAX_CALLS + [True] * 3 if mode == 'reuse' else [mode == 'reforward'] * (MAX_CALLS + 3))
+    skip.close()

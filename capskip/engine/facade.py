@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -208,7 +209,8 @@ def _hooks_off(fn, modules: list[nn.Module]):
         return _stepped(out, modules) if inspect.isgenerator(out) else out
     return run
 
-MAX_CALLS = 16   # input structures one Engine keeps graphs for (our choice: a handful of shapes, bounded memory)
+MAX_CALLS = 16   # input structures one Engine keeps graphs for (our choice: a handful of shapes, bounded memory); later
+                 # ones run without graphs of their own (reuse: reforward; compile: eager), so a new length never stops a run
 
 class Engine:
     "Forward every row once; back-propagate only the kept rows. Modes: `dense`, `masked`, `reforward`, `reuse`; `compile=True` runs the graphs through `torch.compile`."
@@ -231,12 +233,23 @@ class Engine:
         self.last_capture = self.capture
         self.fsdp_checked = False                        # sharded after construction: refused at the first forward
 
-    def _executor(self, model: nn.Module, capture: HeadCapture):
-        "This mode's executor for `model`; under FSDP2 its backward runs the modules without FSDP2's hooks."
-        executor = EXECUTORS.create(self.mode, model, capture, RowProbe(model), compile=self.compile)
+    def _executor(self, model: nn.Module, capture: HeadCapture, lean: bool = False):
+        "This mode's executor for `model` (`lean`: one that keeps no graph, `reforward` for `reuse`, uncompiled); under FSDP2 its backward runs the modules without FSDP2's hooks."
+        mode = 'reforward' if lean and self.mode == 'reuse' else self.mode
+        executor = EXECUTORS.create(mode, model, capture, RowProbe(model), compile=self.compile and not lean)
         for name in ('param_grads', 'param_grad_stages') if self.fsdp else ():   # what the backward node calls
             if hasattr(executor, name): setattr(executor, name, _hooks_off(getattr(executor, name), self.fsdp))
         return executor
+
+    def _warn_untraced(self) -> None:
+        "Say once that call structures past `MAX_CALLS` run without graphs of their own."
+        if getattr(self, '_warned_untraced', False): return
+        self._warned_untraced = True
+        runs = "mode='reforward' (exact; the dropped rows' backward is still saved)" if self.mode == 'reuse' else 'uncompiled'
+        warnings.warn(f'capskip {self.mode}: more than {MAX_CALLS} input structures were seen (keywords, dtypes, shapes after '
+                      'the batch: each new padded length is one), and each costs a graph; later ones run '
+                      f'{runs}: pad inputs to a few lengths (padding="max_length" or pad_to_multiple_of=64) so that each is '
+                      'traced once (warned once)', RuntimeWarning, stacklevel=4)
 
     @property
     def head(self) -> nn.Module:
@@ -276,16 +289,13 @@ class Engine:
         x, spec = pack_inputs(args, kwargs)
         if x.shape[0] == 0: raise ValueError('the batch is empty: pass at least one row')
         if spec.key not in self.calls:
-            if len(self.calls) >= MAX_CALLS:
-                raise ValueError(f'{MAX_CALLS} different input structures (keywords, dtypes, shapes after the batch, the '
-                                 'values of constant arguments other than floats and tensors) were seen; each gets its own traced '
-                                 'graph: pad inputs to a fixed length (e.g. padding="max_length" or pad_to_multiple_of), keep the '
-                                 'keywords the same from batch to batch, and pass a value that changes every step as a float or a tensor')
             call = ModelCall(self.model, spec, self.logits_fn)
             if self.call_capture is None:                # one capture serves every structure: the head keeps one hook
                 self.call_capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
             capture = self.call_capture
-            self.calls[spec.key] = (call, capture, self._executor(call, capture))
+            lean = len(self.calls) >= MAX_CALLS and (self.mode == 'reuse' or self.compile)   # no more graphs: see below
+            if lean: self._warn_untraced()
+            self.calls[spec.key] = (call, capture, self._executor(call, capture, lean))
         call, capture, executor = self.calls[spec.key]
         if spec.live is not None and executor.skips:     # dense and masked run on the call's own tensors (`unpack_inputs`)
             raise ValueError(f'mode={executor.mode!r} computes no gradient for the input {", ".join(grad_inputs(args, kwargs))} '
