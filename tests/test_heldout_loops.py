@@ -295,3 +295,19 @@ def test_asking_skip_for_more_than_the_logits_is_refused_in_one_line(key):
     assert '\n' not in str(e.value)
     assert skip({'input_ids': IDS, 'labels': IDS, key: False}).shape == (6, 8, 64)   # False asks for nothing more
     skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_capskip_rebuilt_every_epoch_without_close_leaves_no_hooks(mode):
+    "`skip = CAPSkip(model)` at the top of each epoch (or a notebook cell run again), never closed: the dropped object's hooks leave the model with it. Before, each one stayed on the head (and its capture kept the last batch's features alive): 2 more hooks per epoch (stop 54)."
+    model, ref, _ = door(gpt2(), 'masked')
+    _.close()
+    for epoch in range(4):
+        skip = capskip.CAPSkip(model, budget=0.5, mode=mode)
+        model.zero_grad(); ref.zero_grad()
+        skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+        kept_sequences_loss(ref, IDS, IDS, skip.last.applied).backward()
+        assert exact(model, ref), epoch
+        assert len(model.lm_head._forward_hooks) == 2, (epoch, len(model.lm_head._forward_hooks))   # this epoch's two captures
+    del skip
+    assert len(model.lm_head._forward_hooks) == 0

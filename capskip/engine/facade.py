@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import sys
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -108,6 +109,10 @@ EXECUTORS = Registry('execution mode', lister='`capskip.engine.EXECUTORS.list()`
 for _executor in (Dense, Masked, Reforward, Reuse): EXECUTORS.add(_executor.mode, _executor)
 
 # %% ../../nbs/01g_facade.ipynb #dc26e897
+def _close_all(captures: list) -> None:
+    "Remove every capture's hooks (an `Engine`'s, at `close()` or when it is collected: `weakref.finalize` must not hold the engine)."
+    for capture in captures: capture.close()
+
 def uncompiled(model: nn.Module, compile: bool) -> tuple[nn.Module, bool]:
     "A `torch.compile`d module's original (`_orig_mod`) with `compile=True`: capskip compiles its own graphs of it."
     inner = getattr(model, '_orig_mod', None)
@@ -229,6 +234,8 @@ class Engine:
         self.executor = self._executor(model, self.capture)
         self.calls: dict = {}                            # InputSpec.key -> (ModelCall, the calls' HeadCapture, its executor)
         self.call_capture: HeadCapture | None = None     # the head's capture in every ModelCall's forward (`HeadCapture.serve`)
+        self._captures = [self.capture]                  # closed with the engine, or when it is garbage-collected unclosed
+        weakref.finalize(self, _close_all, self._captures)
         self.not_logits: set = set()                     # signatures of one-tensor calls whose output is not a tensor
         self.last_capture = self.capture
         self.fsdp_checked = False                        # sharded after construction: refused at the first forward
@@ -265,9 +272,8 @@ class Engine:
         return [self.model] + [call for call, _, _ in self.calls.values()]
 
     def close(self) -> None:
-        "Remove the head hooks."
-        self.capture.close()
-        if self.call_capture is not None: self.call_capture.close()
+        "Remove the head hooks now (an engine dropped without `close()`, e.g. a `CAPSkip` rebuilt every epoch, removes them when it is garbage-collected)."
+        _close_all(self._captures)
 
     def _plain(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         "The input tensor of a call the model's own executor runs: one tensor in, the logits tensor out (else None)."
@@ -292,6 +298,7 @@ class Engine:
             call = ModelCall(self.model, spec, self.logits_fn)
             if self.call_capture is None:                # one capture serves every structure: the head keeps one hook
                 self.call_capture = HeadCapture(resolve_head(call, self.head_arg), call, explicit=self.head_arg is not None)
+                self._captures.append(self.call_capture)
             capture = self.call_capture
             lean = len(self.calls) >= MAX_CALLS and (self.mode == 'reuse' or self.compile)   # no more graphs: see below
             if lean: self._warn_untraced()
