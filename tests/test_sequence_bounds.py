@@ -114,38 +114,40 @@ def test_pair_chunks_that_split_rows_give_the_same_bounds(monkeypatch, chunk, ro
     assert bool((parts.lower <= K + tol).all()) and bool((K <= parts.upper + tol).all())
 
 
-@pytest.mark.parametrize('rows,stage', [(1, 1), (1, 4), (2, 5), (4, 100), (9, 2)])
-def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_softmax_at_U(monkeypatch, rows, stage):
-    "V with blocks (V > 64(k+1)): the block maxima and the softmax pass in chunks of _PASS_ELEMENTS // V rows, the search in batches of _PASS_ELEMENTS // 64(k+1), p at U staged in groups of whole chunks (_STAGE_ELEMENTS // V rows, a partial last group), give one pass's split; p at U is the float64 softmax there; a split without labels, or with other labels, is refused by the pair terms."
+@pytest.mark.parametrize('rows,gather', [(1, 1), (1, 4), (2, 5), (4, 100), (9, 2)])
+def test_split_with_blocks_in_row_chunks_is_one_pass_and_gathers_the_cross_terms(monkeypatch, rows, gather):
+    "V with blocks (V > 64(k+1)): the block maxima and the softmax pass in chunks of _PASS_ELEMENTS // V rows, the search in batches of _PASS_ELEMENTS // 64(k+1), the cross terms gathered a few rows at a time (_GATHER_ELEMENTS // (k+1)T rows, a partial last group), give one pass's split; cross[s, t] is the float64 ⟨S_t, p_s⟩ − p_s[y_t]; a split without labels, or with other labels, is refused by the pair terms."
     import capskip.sequence_bounds as sb
     g = torch.Generator().manual_seed(7)
     z = torch.randn(9, 1500, generator=g, dtype=torch.float64) * 4
     y = torch.randint(0, 1500, (9,), generator=g)
     whole = sb.top_split(z, 5, torch.float64, y)
     monkeypatch.setattr(sb, '_PASS_ELEMENTS', rows * 1500)
-    monkeypatch.setattr(sb, '_STAGE_ELEMENTS', stage * 1500)
+    monkeypatch.setattr(sb, '_GATHER_ELEMENTS', gather * 6 * 9)
     parts = sb.top_split(z, 5, torch.float64, y)
     for a, b in zip(whole, parts): torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
     assert parts.columns.tolist() == sorted(set(parts.index.flatten().tolist()) | set(y.tolist()))
     p = torch.softmax(z, 1)
-    torch.testing.assert_close(parts.at, p[:, parts.columns].T, rtol=1e-13, atol=0)
+    S = torch.where(z > parts.theta[:, None], p, 0.0)
+    torch.testing.assert_close(parts.cross, (S @ p.T).T - p[:, y], rtol=1e-13, atol=1e-16)
     torch.testing.assert_close(parts.tail_sq, torch.where(z > parts.theta[:, None], 0.0, p).square().sum(1), rtol=1e-13, atol=0)
     h = torch.randn(9, 3, generator=g, dtype=torch.float64)
     with pytest.raises(ValueError, match='take the split with the labels'):
         sb.pair_sums(sb.top_split(z, 5, torch.float64), sb.pair_columns(whole, y), h, y, 9)
     with pytest.raises(ValueError, match='taken with other labels'): sb.pair_columns(whole, (y + 1) % 1500)
+    with pytest.raises(ValueError, match='taken with other labels'): sb.pair_columns(whole, y.roll(1))   # the same columns, other tokens' labels
 
 
 @pytest.mark.parametrize('chunk', [7, 1 << 23])
 def test_pair_terms_gather_p_from_the_logits_when_u_times_T_is_over_the_cap(monkeypatch, chunk):
-    "Over _AT_ELEMENTS (u·T) the split keeps no p at U and the pair terms gather it from the logits per chunk of tokens: the same float64 bounds as with it kept, and they still bracket the exact Gram."
+    "Over _CROSS_ELEMENTS (T²) the split keeps no cross terms and the pair terms gather p at U from the logits per chunk of tokens: the same float64 bounds as with them kept, and they still bracket the exact Gram."
     import capskip.sequence_bounds as sb
     z, y, h = batch(11, B=4, L=5, V=19)
     kept = topk_gram_bounds(z, y, h, k=3)
-    monkeypatch.setattr(sb, '_AT_ELEMENTS', 0)
+    monkeypatch.setattr(sb, '_CROSS_ELEMENTS', 0)
     monkeypatch.setattr(sb, '_CHUNK_ELEMENTS', chunk)
     sp = sb.top_split(z.reshape(20, 19), 3, torch.float64, y.reshape(20).clamp_min(0))
-    assert sp.at is None and sp.columns is not None
+    assert sp.cross is None and sp.columns is not None
     streamed = topk_gram_bounds(z, y, h, k=3)
     for a, b in zip(kept, streamed): torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     G, K = exact_gram(z, y, h, True)

@@ -153,8 +153,8 @@ def bench_sequence_main(argv: list[str] | None = None) -> int:
     if phases:
         print(format_topk_phases_table(phases))
         print('phases of select_sequences_topk (top-16 bounds), each timed alone, interleaved with the dense step: check (input '
-              'and value checks; the logits\' values are checked by the split, through its log-sum-exps), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms, p at U), columns (pair_columns: the sparse S over U), '
-              'pairs (pair_sums: the sparse products, the feature Gram), rule (select_from_bounds); select: '
+              'and value checks; the logits\' values are checked by the split, through its log-sum-exps), split (top_split: the block top-k search, one softmax pass: log-sum-exp, S, tail norms, the cross terms ⟨S_t, p_s⟩ − p_s[y_t]), columns (pair_columns: the sparse S over U), '
+              'pairs (pair_sums: the sparse ⟨S_t, S_s⟩ product, the feature Gram), rule (select_from_bounds); select: '
               'the whole call; u: |U|.')
     if ns.record:
         threads = f'OMP_NUM_THREADS={os.environ["OMP_NUM_THREADS"]} ' if 'OMP_NUM_THREADS' in os.environ else ''
