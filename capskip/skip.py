@@ -26,13 +26,14 @@ from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
 from .sequence_bounds import parse_gram
 from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, head_map,
-                           record, run_step, sequence_loss, shifted_labels, step_loss)
+                           record, run_step, sequence_loss, shifted_labels, step_loss, every_row_sequence_loss)
 
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'OTHER_OUTPUTS_ERROR',
-           'FORWARD_TAG', 'UNSHIFTED_ERROR', 'SkipOptions', 'skip_options', 'capskip_decision', 'Mark',
-           'marked_through', 'Made', 'aligned_features', 'copied_features', 'virtual_tokens', 'prompt_labels',
-           'unshifted', 'batch_labels_shifted', 'CAPSkip', 'check_capskip_options', 'check_loss_options']
+           'FORWARD_TAG', 'UNSHIFTED_ERROR', 'CUSTOM_LABELS_ERROR', 'SkipOptions', 'skip_options', 'capskip_decision',
+           'Mark', 'marked_through', 'Made', 'aligned_features', 'copied_features', 'virtual_tokens', 'prompt_labels',
+           'unshifted', 'batch_labels_shifted', 'custom_labels_unclear', 'CAPSkip', 'check_capskip_options',
+           'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -127,14 +128,16 @@ class Made:
     logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
     place: tuple = ()    # (storage address, storage offset, strides) of contiguous logits: their geometry once their object is gone
     ids: Any = None      # the forward's token ids [B, L] (`input_ids`, or its first argument), to tell unshifted labels
+    items: Any = None    # the call's `num_items_in_batch` (the denominator of a Hugging Face model's own loss), if it passed one
 
     @classmethod
-    def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None, ids: Any = None) -> Made:
+    def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None, ids: Any = None, items: Any = None) -> Made:
         mark = None
         if logits.grad_fn is not None:
             mark = Mark(); logits.grad_fn.metadata[FORWARD_TAG] = mark
         place = (logits.untyped_storage().data_ptr(), logits.storage_offset(), logits.stride()) if logits.is_contiguous() else ()
-        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place, ids)
+        return cls(weakref.ref(logits), None if mark is None else weakref.ref(mark), features, labels, logits.shape, cap, place, ids,
+                   items)
 
     def alive(self) -> bool: return self.logits() is not None or (self.mark is not None and self.mark() is not None)
 
@@ -235,6 +238,19 @@ def batch_labels_shifted(model: nn.Module) -> bool | None:
     shifted, aligned = base.__name__ in names(_SHIFTED), base.__name__ in names(_ALIGNED)
     return shifted if shifted != aligned else None
 
+CUSTOM_LABELS_ERROR = ("skip.loss(logits) cannot tell whether the batch's labels for {} (not a transformers class) are a causal "
+                       "LM's, which its loss would shift by one: they are not a copy of the batch's input_ids{}; pass "
+                       "shift_labels=False (aligned with the logits: tags, pre-shifted next tokens) or shift_labels=True")
+
+def custom_labels_unclear(model: nn.Module, labels, ids, ignore_index: int = IGNORE_INDEX) -> str | None:
+    "For a model that is no transformers class (`batch_labels_shifted`'s default True): why its batch's [B, L] `labels` may not be a causal LM's unshifted ones (they differ from the token ids `ids` at a labelled position, or there are no ids to compare), or None when they are such a copy; one host read, at the first batch."
+    m = model.get_base_model() if callable(getattr(model, 'get_base_model', None)) else model
+    m = m.module if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else getattr(m, '_orig_mod', m)
+    if any(c.__module__.startswith('transformers.models.') for c in type(m).__mro__) or not isinstance(labels, Tensor): return None
+    if not (isinstance(ids, Tensor) and ids.shape == labels.shape and ids.device == labels.device):
+        return CUSTOM_LABELS_ERROR.format(type(m).__name__, ' (the batch has no input ids of their shape to compare)')
+    return None if bool(((labels == ids) | (labels == ignore_index)).all()) else CUSTOM_LABELS_ERROR.format(type(m).__name__, '')
+
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
     "Drop-in CAPSkip for your own loop: `loss = skip.loss(skip(x), y); loss.backward()`, or `stats = skip.step(x, y)`; `skip.options` is its `SkipOptions`."
@@ -273,12 +289,13 @@ class CAPSkip:
 
     def _forward(self, *args, **kwargs) -> Forward:
         args, kwargs, labels = split_labels(args, kwargs, self.label_key)
+        items = kwargs.pop('num_items_in_batch', None)   # the denominator of the model's own loss: kept for skip.loss, not the model's
         for key in ('output_hidden_states', 'output_attentions'):   # fields of the output that skip(...) does not return
             if kwargs.get(key): raise ValueError(OTHER_OUTPUTS_ERROR.format(key[len('output_'):].replace('_', ' '), key))
         fwd = self.engine.forward(*args, **kwargs)
         labels = prompt_labels(labels, fwd.logits, virtual_tokens(self.model), self.options.ignore_index)   # PEFT prompt tuning
         ids = kwargs.get('input_ids', args[0] if args else None)
-        made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap, ids if isinstance(ids, Tensor) else None)
+        made = Made.of(fwd.logits, fwd.features, labels, head_map(self.engine).cap, ids if isinstance(ids, Tensor) else None, items)
         self._recent = [r for r in self._recent[-7:] if r.alive()] + [made]
         return fwd
 
@@ -289,14 +306,14 @@ class CAPSkip:
     def _forward_of(self, logits: Tensor) -> tuple:
         "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
         for made in reversed(self._recent):
-            if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids
+            if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids, made.items
             sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]
             if sliced is None and logits.shape[-1] == made.shape[-1]:
                 slices = made.slices_to(logits)                  # a copy of a slice: logits[:, :-1].contiguous(), .float()
                 sliced = copied_features(logits, made.features, slices)
                 if sliced is None and slices is not None and len(made.shape) == 3 and logits.ndim < 3:
                     raise ValueError(FLAT_SEQUENCE_ERROR)
-            if sliced is not None: return sliced, None, False, made.cap, None
+            if sliced is not None: return sliced, None, False, made.cap, None, made.items
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 
     def features_of(self, logits: Tensor) -> Tensor:
@@ -305,9 +322,25 @@ class CAPSkip:
 
     def loss(self, logits: Tensor, y: Tensor | None = None, weights: Tensor | None = None,
              denominator: float | None = None, shift_labels: bool | None = None) -> Tensor:
-        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself. Logits [B, L, V]: `sequence_loss` (`shift_labels` None: shift the batch's labels, not an explicit `y`)."
-        feats, y, cap = self._labels(logits, y, shift_labels)
+        "Select on the device and return (1/den) Σ applied_i CE(z_i, y_i) (den: the batch size; y: the labels `skip(...)` took from the batch if None): back-propagate it yourself. Logits [B, L, V]: `sequence_loss` (`shift_labels` None: shift the batch's labels, not an explicit `y`). Under `no_grad`, or for logits outside autograd: every row's loss, recorded nowhere (an evaluation's)."
+        if not (logits.requires_grad and torch.is_grad_enabled()): return self._every_row_loss(logits, y, weights, denominator, shift_labels)
+        return self._rule_loss(logits, y, weights, denominator, shift_labels)
+
+    def _every_row_loss(self, logits: Tensor, y, weights, denominator, shift_labels) -> Tensor:
+        "(1/den) Σ_i w_i CE_i over every row, with this object's temperature, label smoothing and ignored labels: no rule, no record."
+        feats, y, cap, items = self._labels(logits, y, shift_labels)
         o = self.options
+        if logits.ndim != 3:
+            return step_loss(self.engine, logits, feats, y, weights, None, o.label_smoothing, denominator=denominator,
+                             temperature=o.temperature, ignore_index=o.ignore_index, cap=cap)[0]
+        return every_row_sequence_loss(logits, y, weights, items if denominator is None else denominator, o.temperature,
+                                       o.ignore_index)
+
+    def _rule_loss(self, logits: Tensor, y, weights, denominator, shift_labels) -> Tensor:
+        "`loss` with the rule: select, record the step (`last`, the counters), return the selected objective."
+        feats, y, cap, items = self._labels(logits, y, shift_labels)
+        o = self.options
+        if denominator is None and logits.ndim == 3: denominator = items   # the batch's num_items_in_batch, as the model's loss
         if logits.ndim == 3:                             # sequence rows (a causal LM): section "Sequence rows" below
             if o.reweight is not None or o.label_smoothing:
                 raise ValueError('sequence rows (logits [B, L, V]) take reweight=None and label_smoothing=0: build '
@@ -331,8 +364,8 @@ class CAPSkip:
         self.stats.add('all_rows_steps', 1)
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
-        "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) and the logits' soft cap."
-        feats, labels, whole, cap, ids = self._forward_of(logits)
+        "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) the logits' soft cap and the call's `num_items_in_batch`."
+        feats, labels, whole, cap, ids, items = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels
         if y is None and not whole:
@@ -344,14 +377,17 @@ class CAPSkip:
         if logits.ndim == 3 and not from_batch and shift_labels is None and unshifted(y, ids, self.options.ignore_index):
             raise ValueError(UNSHIFTED_ERROR)
         if logits.ndim == 3 and from_batch and shift_labels is None:
-            if self._shifted is None: self._shifted = batch_labels_shifted(self.model)
+            if self._shifted is None:
+                unclear = custom_labels_unclear(self.model, y, ids, self.options.ignore_index)
+                if unclear: raise ValueError(unclear)
+                self._shifted = batch_labels_shifted(self.model)
             if self._shifted is None:
                 raise ValueError(f"skip.loss(logits) cannot tell whether the batch's labels for {type(self.model).__name__} are "
                                  "shifted by its own loss: pass shift_labels=True (position t predicts token t + 1, as a causal "
                                  "LM's) or shift_labels=False (aligned with the logits)")
             shift_labels = self._shifted
         if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
-        return feats, y, cap
+        return feats, y, cap, items
 
     def step(self, x, y: Tensor | None = None, weights: Tensor | None = None, shift_labels: bool | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`); `kept` an int. Sequence rows (labels [B, L], or the labels of a batch dict `x`): the gradient of `self.loss(self(x), y)`, built for the kept rows only (`Engine.loss_backward`)."
@@ -363,9 +399,10 @@ class CAPSkip:
         else:                                            # sequence rows, or the labels a batch dict carries
             fwd = self._forward(x)
             if fwd.logits.ndim == 3 and o.temperature == 1.0 and fwd.autograd:   # no [B, L, V] gradient, no saved log-softmax
-                with torch.no_grad(): self.loss(fwd.logits, y, weights, shift_labels=shift_labels)   # the rule and the statistics
-                kept = self.engine.loss_backward(fwd, self._labels(fwd.logits, y, shift_labels)[1], self.last.applied,
-                                                 ignore_index=o.ignore_index, softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
+                with torch.no_grad(): self._rule_loss(fwd.logits, y, weights, None, shift_labels)   # the rule and the statistics
+                _, labels, _, items = self._labels(fwd.logits, y, shift_labels)
+                kept = self.engine.loss_backward(fwd, labels, self.last.applied, items, ignore_index=o.ignore_index,
+                                                 softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
                 if fwd.all_rows: self._all_rows(self.last)
             else:
                 self.loss(fwd.logits, y, weights, shift_labels=shift_labels).backward()

@@ -27,7 +27,8 @@ from .sequence_bounds import parse_gram, select_sequences_with, token_split
 __all__ = ['Rule', 'IGNORE_INDEX', 'LASTFIX_SCALED_FIX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
            'realised_distortion', 'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide',
            'loss_denominator', 'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses',
-           'ce_grad_graph', 'SequenceCE', 'sequence_loss', 'sequence_step', 'check_step_inputs']
+           'every_row_sequence_loss', 'ce_grad_graph', 'SequenceCE', 'sequence_loss', 'sequence_step',
+           'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -216,6 +217,20 @@ def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDE
         x = floor_softmax(zc, m.to(dt), floor, c[:j - i])                # exponents ≥ the floor: no subnormal exp
         out[i:j] = (m[:, 0].to(dt) - x.gather(1, arg)[:, 0].log()) - zc.gather(1, yc[i:j, None])[:, 0].to(dt)   # lse = max − ln p(max)
     return out.masked_fill_(~mask, 0.0).view(B, L)
+
+def every_row_sequence_loss(logits: Tensor, labels: Tensor, weights: Tensor | None = None, denominator=None,
+                            temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    "(1/N) Σ_i w_i Σ_t CE(z_it / T, y_it) over every row of [B, L, V] logits (N: the labelled tokens, at least 1, or `denominator`), values only: the objective the rule selects from, as an evaluation reads it."
+    B, L, _ = logits.shape
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or tuple(labels.shape) != (B, L):
+        raise ValueError(f'labels must be integer token ids [B, L] = [{B}, {L}] aligned with the logits ({ignore_index} = '
+                         f'ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape {tuple(getattr(labels, "shape", ()))}')
+    y = labels.to(logits.device).long()
+    z = logits.detach() if temperature == 1.0 else logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    per_row = token_losses(z, y, ignore_index).to(torch.float64).sum(1)
+    w = per_row.new_ones(B) if weights is None else weights.detach().to(per_row)
+    n = (y != ignore_index).sum() if denominator is None else torch.as_tensor(denominator, device=per_row.device)
+    return ((per_row * w).sum() / n.to(torch.float64).clamp_min(1.0)).to(torch.promote_types(logits.dtype, torch.float32))
 
 def ce_grad_graph(logits: Tensor, labels: Tensor, w: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     "w_i (softmax(z_it) − e_{y_it}) (0 where ignored) of [B, L, V] logits as autograd ops, so that it can be differentiated again (`create_graph=True`)."

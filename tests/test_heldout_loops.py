@@ -286,6 +286,84 @@ def test_batch_labels_of_an_undecided_class_are_refused():
     skip.close()
 
 
+class OwnTagger(nn.Module):
+    "A user's own token model (no transformers class), called as model(input_ids=...): [B, L, C] logits."
+    def __init__(self, vocab=64, classes=5):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, 16), nn.Linear(16, classes)
+
+    def forward(self, input_ids): return self.head(torch.tanh(self.emb(input_ids)))
+
+
+def test_batch_labels_of_an_own_model_that_are_no_copy_of_the_ids_are_refused():
+    "An own model (no transformers class) with tags, or with labels already shifted, in the batch: the door used to shift them as a causal LM's, a wrong objective with no word; now it asks for shift_labels in one line, and a copy of the ids (a causal LM's labels) is still shifted."
+    torch.manual_seed(0)
+    model = OwnTagger().double()
+    skip = capskip.CAPSkip(model, budget=0.0, mode='masked')
+    tags = torch.randint(0, 5, IDS.shape, generator=torch.Generator().manual_seed(3))
+    z = skip(input_ids=IDS, labels=tags)
+    with pytest.raises(ValueError, match=r"cannot tell whether the batch's labels for OwnTagger \(not a transformers class\).*shift_labels=False") as e:
+        skip.loss(z)
+    assert '\n' not in str(e.value)
+    want = F.cross_entropy(z.detach().reshape(-1, 5), tags.reshape(-1))
+    assert abs(float(skip.loss(z, shift_labels=False)) - float(want)) < 1e-12     # the tags, aligned, when told
+    skip.close()
+    lm = capskip.CAPSkip(OwnTagger(classes=64).double(), budget=0.0, mode='masked')
+    z = lm(input_ids=IDS, labels=IDS.masked_fill(IDS < 8, -100))                   # a causal LM's labels: the ids, some masked
+    shifted = IDS.masked_fill(IDS < 8, -100)[:, 1:]
+    want = F.cross_entropy(z.detach()[:, :-1].reshape(-1, 64), shifted.reshape(-1), ignore_index=-100)
+    assert abs(float(lm.loss(z)) - float(want)) < 1e-12
+    lm.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_num_items_in_batch_given_to_the_forward_is_the_loss_denominator(mode):
+    "skip(**batch, num_items_in_batch=n), as Trainer's accumulation calls a model that takes loss kwargs: skip.loss(z) and skip.step(batch) divide by n as model(**batch, num_items_in_batch=n).loss does (before: by the batch's own labelled tokens, another scale with no word)."
+    labels = IDS.masked_fill(IDS < 10, -100)
+    ref = gpt2()
+    hf = float(ref(input_ids=IDS, labels=labels, num_items_in_batch=100).loss)   # Hugging Face's: float32 logits
+    z = ref(input_ids=IDS).logits
+    want = F.cross_entropy(z[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1), ignore_index=-100, reduction='sum') / 100
+    assert abs(float(want) - hf) < 1e-6 * hf                                       # the same loss, in float64
+    want.backward()
+    for how in ('loss', 'step'):
+        model = gpt2()
+        skip = capskip.CAPSkip(model, budget=0.0, mode=mode)
+        batch = {'input_ids': IDS, 'labels': labels, 'num_items_in_batch': 100}
+        if how == 'loss':
+            loss = skip.loss(skip(**batch))
+            assert abs(float(loss) - float(want)) < 1e-12
+            loss.backward()
+        else: skip.step(batch)
+        assert exact(model, ref), (how, grad_errors(model_grads(model), model_grads(ref)))
+        skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_a_validation_loss_under_no_grad_is_every_rows_and_recorded_nowhere(mode):
+    "A validation loop that reuses skip.loss under no_grad (Lightning's validation_step, an own loop): the loss of every row, as the model's own, and neither skip.last nor the counters see the batch (before: the rule dropped rows from the validation loss, 0.64 for a model loss of 1.67 in the probe, and the batch counted as a training step)."
+    g = torch.Generator().manual_seed(5)
+    lm, seq = gpt2(), capskip.CAPSkip(gpt2(), budget=0.9, mode=mode)
+    x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (12,), generator=g)
+    net, rows = mlp(), capskip.CAPSkip(mlp(), budget=0.9, mode=mode, temperature=2.0)
+    for skip, batch, want in ((seq, {'input_ids': IDS, 'labels': IDS.masked_fill(IDS < 10, -100)},
+                               lambda: kept_sequences_loss(lm, IDS, IDS.masked_fill(IDS < 10, -100), torch.ones(6))),
+                              (rows, (x, y), lambda: F.cross_entropy(net(x) / 2.0, y))):
+        opt = torch.optim.SGD(skip.model.parameters(), lr=0.5)
+        for _ in range(3):                                          # training steps: the rule drops rows at b = 0.9
+            loss = skip.loss(skip(**batch)) if isinstance(batch, dict) else skip.loss(skip(batch[0]), batch[1])
+            loss.backward(); opt.step(); opt.zero_grad()
+        (lm if skip is seq else net).load_state_dict(skip.model.state_dict())
+        last = skip.last
+        with torch.no_grad():
+            got = skip.loss(skip(**batch)) if isinstance(batch, dict) else skip.loss(skip(batch[0]), batch[1])
+            ref = want()
+        assert abs(float(got) - float(ref)) < 1e-12 * abs(float(ref)), (float(got), float(ref))
+        assert skip.last is last
+        assert skip.counters()['steps'] == 3.0                      # the validation batch is no step
+        skip.close()
+
+
 @pytest.mark.parametrize('key', ['output_hidden_states', 'output_attentions'])
 def test_asking_skip_for_more_than_the_logits_is_refused_in_one_line(key):
     "`out = skip(**batch, output_hidden_states=True)` for an auxiliary loss on `out.hidden_states`: skip returns the logits alone, so the call is refused in one line (before: an AttributeError on a tensor, later in the user's loop, stop 54)."
