@@ -304,7 +304,7 @@ class CAPSkip:
         return self._forward(*args, **kwargs).logits
 
     def _forward_of(self, logits: Tensor) -> tuple:
-        "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap) of the forward that made `logits`."
+        "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap, its token ids, its `num_items_in_batch`) of the forward that made `logits`."
         for made in reversed(self._recent):
             if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids, made.items
             sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]

@@ -225,6 +225,8 @@ def every_row_sequence_loss(logits: Tensor, labels: Tensor, weights: Tensor | No
     if not isinstance(labels, Tensor) or labels.is_floating_point() or tuple(labels.shape) != (B, L):
         raise ValueError(f'labels must be integer token ids [B, L] = [{B}, {L}] aligned with the logits ({ignore_index} = '
                          f'ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape {tuple(getattr(labels, "shape", ()))}')
+    if denominator is not None and (isinstance(denominator, bool) or not float(denominator) >= 0):
+        raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
     y = labels.to(logits.device).long()
     z = logits.detach() if temperature == 1.0 else logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     per_row = token_losses(z, y, ignore_index).to(torch.float64).sum(1)

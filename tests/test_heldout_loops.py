@@ -361,6 +361,9 @@ def test_a_validation_loss_under_no_grad_is_every_rows_and_recorded_nowhere(mode
         assert abs(float(got) - float(ref)) < 1e-12 * abs(float(ref)), (float(got), float(ref))
         assert skip.last is last
         assert skip.counters()['steps'] == 3.0                      # the validation batch is no step
+        if skip is seq:
+            with torch.no_grad(), pytest.raises(ValueError, match=r'denominator must be a number ≥ 0'):
+                skip.loss(skip(**batch), denominator=-1)            # refused as the rule's loss refuses it
         skip.close()
 
 
