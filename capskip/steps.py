@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .core import DEFAULT_BUDGET, SELECTOR_EPS, ce_residuals, seeded_generator, target_classes
 from .engine import Engine
-from .engine.facade import sequence_grad_logits
+from .engine.facade import check_token_labels, sequence_grad_logits
 from .engine.head import LogitMap
 from .engine.node import SkipBackward, hand_over, inject_grad, kept_indices, may_hand_over, note_rule_rows, probe_leaf
 from .selector import last_layer_grad
@@ -27,8 +27,8 @@ from .sequence_bounds import parse_gram, select_sequences_with, token_split
 __all__ = ['Rule', 'IGNORE_INDEX', 'LASTFIX_SCALED_FIX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
            'realised_distortion', 'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide',
            'loss_denominator', 'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses',
-           'every_row_sequence_loss', 'ce_grad_graph', 'SequenceCE', 'sequence_loss', 'sequence_step',
-           'check_step_inputs']
+           'check_denominator', 'every_row_sequence_loss', 'ce_grad_graph', 'SequenceCE', 'sequence_loss',
+           'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -218,15 +218,17 @@ def token_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDE
         out[i:j] = (m[:, 0].to(dt) - x.gather(1, arg)[:, 0].log()) - zc.gather(1, yc[i:j, None])[:, 0].to(dt)   # lse = max − ln p(max)
     return out.masked_fill_(~mask, 0.0).view(B, L)
 
+def check_denominator(denominator) -> None:
+    "A loss denominator given (e.g. num_items_in_batch) must be a number ≥ 0; one line otherwise."
+    if denominator is not None and (isinstance(denominator, bool) or not float(denominator) >= 0):
+        raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
+
 def every_row_sequence_loss(logits: Tensor, labels: Tensor, weights: Tensor | None = None, denominator=None,
                             temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> Tensor:
     "(1/N) Σ_i w_i Σ_t CE(z_it / T, y_it) over every row of [B, L, V] logits (N: the labelled tokens, at least 1, or `denominator`), values only: the objective the rule selects from, as an evaluation reads it."
     B, L, _ = logits.shape
-    if not isinstance(labels, Tensor) or labels.is_floating_point() or tuple(labels.shape) != (B, L):
-        raise ValueError(f'labels must be integer token ids [B, L] = [{B}, {L}] aligned with the logits ({ignore_index} = '
-                         f'ignored), got {getattr(labels, "dtype", type(labels).__name__)} of shape {tuple(getattr(labels, "shape", ()))}')
-    if denominator is not None and (isinstance(denominator, bool) or not float(denominator) >= 0):
-        raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
+    check_token_labels(logits, labels, ignore_index)
+    check_denominator(denominator)
     y = labels.to(logits.device).long()
     z = logits.detach() if temperature == 1.0 else logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     per_row = token_losses(z, y, ignore_index).to(torch.float64).sum(1)
@@ -290,8 +292,7 @@ def sequence_loss(logits: Tensor, features: Tensor, labels: Tensor, weights: Ten
     w = torch.where(n_tok > 0, w, torch.zeros_like(w))            # a row without labelled token: G_i = 0, nothing to back-propagate
     if denominator is None: den = n_tok.sum().clamp_min(1).to(torch.float64)
     else:
-        if isinstance(denominator, bool) or not float(denominator) >= 0:
-            raise ValueError(f'denominator must be a number ≥ 0 (e.g. num_items_in_batch), got {denominator!r}')
+        check_denominator(denominator)
         den = torch.as_tensor(float(denominator), dtype=torch.float64, device=z.device).clamp_min(1.0)
     cand = sequence_candidates(z, y, candidates, ignore_index, counts=(n_tok, n_ok))   # no second argmax pass
     if exclude_upweighted: cand = cand & (w <= 1)
