@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,10 +31,10 @@ from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_ge
 
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'OTHER_OUTPUTS_ERROR',
-           'FORWARD_TAG', 'UNSHIFTED_ERROR', 'CUSTOM_LABELS_ERROR', 'SkipOptions', 'skip_options', 'capskip_decision',
-           'Mark', 'marked_through', 'Made', 'aligned_features', 'copied_features', 'virtual_tokens', 'prompt_labels',
-           'unshifted', 'batch_labels_shifted', 'custom_labels_unclear', 'CAPSkip', 'check_capskip_options',
-           'check_loss_options']
+           'FORWARD_TAG', 'UNSHIFTED_ERROR', 'CUSTOM_LABELS_ERROR', 'LABELS_NOT_IDS', 'LABELS_NOT_IDS_WARNING',
+           'SkipOptions', 'skip_options', 'capskip_decision', 'Mark', 'marked_through', 'Made', 'aligned_features',
+           'copied_features', 'virtual_tokens', 'prompt_labels', 'unshifted', 'batch_labels_shifted',
+           'custom_labels_unclear', 'CAPSkip', 'check_capskip_options', 'check_loss_options']
 
 # %% ../nbs/01n_skip.ipynb #31f7c57e
 @dataclass(frozen=True)
@@ -242,14 +243,22 @@ CUSTOM_LABELS_ERROR = ("skip.loss(logits) cannot tell whether the batch's labels
                        "LM's, which its loss would shift by one: they are not a copy of the batch's input_ids{}; pass "
                        "shift_labels=False (aligned with the logits: tags, pre-shifted next tokens) or shift_labels=True")
 
-def custom_labels_unclear(model: nn.Module, labels, ids, ignore_index: int = IGNORE_INDEX) -> str | None:
-    "For a model that is no transformers class (`batch_labels_shifted`'s default True): why its batch's [B, L] `labels` may not be a causal LM's unshifted ones (they differ from the token ids `ids` at a labelled position, or there are no ids to compare), or None when they are such a copy; one host read, at the first batch."
+LABELS_NOT_IDS = 'labels_not_ids'   # the counter of batches whose labels, no copy of their ids, were shifted unchecked (`custom_labels_unclear`)
+LABELS_NOT_IDS_WARNING = ("{} batch(es) since the last counters() had labels that are no copy of their input_ids, and skip.loss shifted "
+                          "them as a causal LM's (checked on the device): pass skip.loss shift_labels=False (aligned) or True")
+
+def custom_labels_unclear(model: nn.Module, labels, ids, ignore_index: int = IGNORE_INDEX,
+                          counters: DeviceCounters | None = None) -> str | None:
+    "For a model that is no transformers class (`batch_labels_shifted`'s default True): why its batch's [B, L] `labels` may not be a causal LM's unshifted ones (they differ from the token ids `ids` at a labelled position, or there are no ids to compare), or None when they are such a copy; one host read, or, given `counters` where value checks are off (a GPU: `values_checked`), none: the batch is counted in them as `LABELS_NOT_IDS`."
     m = model.get_base_model() if callable(getattr(model, 'get_base_model', None)) else model
     m = m.module if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else getattr(m, '_orig_mod', m)
     if any(c.__module__.startswith('transformers.models.') for c in type(m).__mro__) or not isinstance(labels, Tensor): return None
     if not (isinstance(ids, Tensor) and ids.shape == labels.shape and ids.device == labels.device):
         return CUSTOM_LABELS_ERROR.format(type(m).__name__, ' (the batch has no input ids of their shape to compare)')
-    return None if bool(((labels == ids) | (labels == ignore_index)).all()) else CUSTOM_LABELS_ERROR.format(type(m).__name__, '')
+    copied = ((labels == ids) | (labels == ignore_index)).all()
+    if counters is None or values_checked(None, labels, ids):
+        return None if bool(copied) else CUSTOM_LABELS_ERROR.format(type(m).__name__, '')
+    counters.add(LABELS_NOT_IDS, ~copied)                    # no host read: counted, and warned of by `CAPSkip.counters`
 
 # %% ../nbs/01n_skip.ipynb #41175d58
 class CAPSkip:
@@ -263,7 +272,7 @@ class CAPSkip:
                            if engine is None else engine)
         self.model, self.label_key, self.seed = model, label_key, int(seed)
         self._generator, self._pending_state = None, None
-        self._shifted: bool | None = None                # `batch_labels_shifted(model)`, found at the first batch's labels
+        self._shifted: bool | None = None                # `batch_labels_shifted(model)`, found at the first batch's labels (each batch's: `custom_labels_unclear`)
         self.stats = DeviceCounters()
         self.last: StepStats | None = None               # the last step's statistics
         self._recent: list = []                          # (weak reference to logits, their features): the last forwards
@@ -377,10 +386,10 @@ class CAPSkip:
         if logits.ndim == 3 and not from_batch and shift_labels is None and unshifted(y, ids, self.options.ignore_index):
             raise ValueError(UNSHIFTED_ERROR)
         if logits.ndim == 3 and from_batch and shift_labels is None:
-            if self._shifted is None:
-                unclear = custom_labels_unclear(self.model, y, ids, self.options.ignore_index)
-                if unclear: raise ValueError(unclear)
-                self._shifted = batch_labels_shifted(self.model)
+            unclear = custom_labels_unclear(self.model, y, ids, self.options.ignore_index,   # later batches: counted where
+                                            None if self._shifted is None else self.stats)   # value checks are off
+            if unclear: raise ValueError(unclear)
+            if self._shifted is None: self._shifted = batch_labels_shifted(self.model)
             if self._shifted is None:
                 raise ValueError(f"skip.loss(logits) cannot tell whether the batch's labels for {type(self.model).__name__} are "
                                  "shifted by its own loss: pass shift_labels=True (position t predicts token t + 1, as a causal "
@@ -400,7 +409,7 @@ class CAPSkip:
             fwd = self._forward(x)
             if fwd.logits.ndim == 3 and o.temperature == 1.0 and fwd.autograd:   # no [B, L, V] gradient, no saved log-softmax
                 with torch.no_grad(): self._rule_loss(fwd.logits, y, weights, None, shift_labels)   # the rule and the statistics
-                _, labels, _, items = self._labels(fwd.logits, y, shift_labels)
+                _, labels, _, items = self._labels(fwd.logits, y, self._shifted if y is None and shift_labels is None else shift_labels)   # checked (and counted) once: above
                 kept = self.engine.loss_backward(fwd, labels, self.last.applied, items, ignore_index=o.ignore_index,
                                                  softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
                 if fwd.all_rows: self._all_rows(self.last)
@@ -412,8 +421,10 @@ class CAPSkip:
         return stats
 
     def counters(self) -> dict[str, float]:
-        "This epoch's counters (one host read), then reset."
-        return epoch_counters(self.stats.read())
+        "This epoch's counters (one host read), then reset; a warning for batches whose labels were shifted unchecked (`LABELS_NOT_IDS`)."
+        out = epoch_counters(self.stats.read())
+        if out.get(LABELS_NOT_IDS): warnings.warn(LABELS_NOT_IDS_WARNING.format(int(out[LABELS_NOT_IDS])), stacklevel=2)
+        return out
 
     def close(self) -> None:
         "Detach the engine's hook from the model (when you stop using this object)."

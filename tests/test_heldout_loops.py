@@ -6,6 +6,7 @@ prompt-tuning model (its logits carry virtual tokens the batch's labels lack: pa
 and a call asking skip for hidden states or attentions (refused in one line, stop 54).
 Each against plain autograd of the kept rows (float64, or bf16 against a float64 truth)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -314,6 +315,33 @@ def test_batch_labels_of_an_own_model_that_are_no_copy_of_the_ids_are_refused():
     want = F.cross_entropy(z.detach()[:, :-1].reshape(-1, 64), shifted.reshape(-1), ignore_index=-100)
     assert abs(float(lm.loss(z)) - float(want)) < 1e-12
     lm.close()
+
+
+def test_a_later_batch_of_an_own_model_whose_labels_are_no_copy_of_its_ids_is_refused_or_counted():
+    "An own model whose first batch held a copy of its ids (a causal LM's labels), then a batch with tags: the door checked the first batch only and shifted the later one's with no word (a wrong objective); now the CPU refuses that batch in one line, and where value checks are off (a GPU's default; here `value_checks_off`) it is counted with no host read and `counters()` warns."
+    from capskip.checks import value_checks_off
+    tags = torch.randint(0, 64, IDS.shape, generator=torch.Generator().manual_seed(3))
+    skip = capskip.CAPSkip(OwnTagger(classes=64).double(), budget=0.0, mode='masked')
+    skip.loss(skip(input_ids=IDS, labels=IDS)).backward()                        # the first batch: a copy of the ids
+    with pytest.raises(ValueError, match=r"cannot tell whether the batch's labels for OwnTagger \(not a transformers class\)") as e:
+        skip.loss(skip(input_ids=IDS, labels=tags))
+    assert '\n' not in str(e.value)
+    with pytest.raises(ValueError, match=r"cannot tell whether the batch's labels for OwnTagger"):
+        skip.step({'input_ids': IDS, 'labels': tags})
+    skip.step({'input_ids': IDS, 'labels': IDS.masked_fill(IDS < 8, -100)})     # a copy, some masked: still shifted
+    skip.counters()
+    with value_checks_off():                                                     # as on a GPU: no host read per batch
+        skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+        skip.step({'input_ids': IDS, 'labels': tags})
+        skip.loss(skip(input_ids=IDS, labels=tags)).backward()
+    with pytest.warns(UserWarning, match=r"^2 batch\(es\) since the last counters\(\) had labels that are no copy of their input_ids"):
+        counted = skip.counters()
+    assert counted['labels_not_ids'] == 2.0
+    with value_checks_off(): skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert skip.counters()['labels_not_ids'] == 0.0                          # copies only: counted, no warning
+    skip.close()
 
 
 @pytest.mark.parametrize('mode', MODES)
