@@ -27,7 +27,7 @@ from .selector import last_layer_grad, select
 from .sequence import DEFAULT_CANDIDATES, candidate_rule
 from .sequence_bounds import parse_gram
 from .steps import (IGNORE_INDEX, Decision, DeviceCounters, StepStats, device_generator, epoch_counters, head_map,
-                           record, run_step, sequence_loss, shifted_labels, step_loss, every_row_sequence_loss)
+                           record, rerecord, run_step, sequence_loss, shifted_labels, step_loss, every_row_sequence_loss)
 
 # %% auto #0
 __all__ = ['OPTION_FIELDS', 'DOOR_ARGUMENTS', 'NOT_SKIP_LOGITS_ERROR', 'FLAT_SEQUENCE_ERROR', 'OTHER_OUTPUTS_ERROR',
@@ -129,7 +129,7 @@ class Made:
     logits: weakref.ref; mark: weakref.ref | None; features: Tensor; labels: Any; shape: torch.Size; cap: float | None = None
     place: tuple = ()    # (storage address, storage offset, strides) of contiguous logits: their geometry once their object is gone
     ids: Any = None      # the forward's token ids [B, L] (`input_ids`, or its first argument), to tell unshifted labels
-    items: Any = None    # the call's `num_items_in_batch` (the denominator of a Hugging Face model's own loss), if it passed one
+    items: Any = None; recorded: Any = None   # the call's `num_items_in_batch` (a Hugging Face model's loss's denominator); the rule's last `StepStats` on it (`rerecord`)
 
     @classmethod
     def of(cls, logits: Tensor, features: Tensor, labels, cap: float | None = None, ids: Any = None, items: Any = None) -> Made:
@@ -313,16 +313,16 @@ class CAPSkip:
         return self._forward(*args, **kwargs).logits
 
     def _forward_of(self, logits: Tensor) -> tuple:
-        "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap, its token ids, its `num_items_in_batch`) of the forward that made `logits`."
+        "(features, the batch's labels, whether `logits` are the forward's whole logits, their soft cap, its token ids, its `num_items_in_batch`, its `Made`) of the forward that made `logits`."
         for made in reversed(self._recent):
-            if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids, made.items
+            if made.whole(logits): return made.features, made.labels, True, made.cap, made.ids, made.items, made
             sliced = aligned_features(logits, made.features, made.whole, made.viewed(logits))   # a slice of its rows or positions, e.g. logits[:, :-1]
             if sliced is None and logits.shape[-1] == made.shape[-1]:
                 slices = made.slices_to(logits)                  # a copy of a slice: logits[:, :-1].contiguous(), .float()
                 sliced = copied_features(logits, made.features, slices)
                 if sliced is None and slices is not None and len(made.shape) == 3 and logits.ndim < 3:
                     raise ValueError(FLAT_SEQUENCE_ERROR)
-            if sliced is not None: return sliced, None, False, made.cap, None, made.items
+            if sliced is not None: return sliced, None, False, made.cap, None, made.items, made
         raise ValueError(NOT_SKIP_LOGITS_ERROR)
 
     def features_of(self, logits: Tensor) -> Tensor:
@@ -337,7 +337,7 @@ class CAPSkip:
 
     def _every_row_loss(self, logits: Tensor, y, weights, denominator, shift_labels) -> Tensor:
         "(1/den) Σ_i w_i CE_i over every row, with this object's temperature, label smoothing and ignored labels: no rule, no record."
-        feats, y, cap, items = self._labels(logits, y, shift_labels)
+        feats, y, cap, items, _ = self._labels(logits, y, shift_labels)
         o = self.options
         if logits.ndim != 3:
             return step_loss(self.engine, logits, feats, y, weights, None, o.label_smoothing, denominator=denominator,
@@ -347,7 +347,7 @@ class CAPSkip:
 
     def _rule_loss(self, logits: Tensor, y, weights, denominator, shift_labels) -> Tensor:
         "`loss` with the rule: select, record the step (`last`, the counters), return the selected objective."
-        feats, y, cap, items = self._labels(logits, y, shift_labels)
+        feats, y, cap, items, made = self._labels(logits, y, shift_labels)
         o = self.options
         if denominator is None and logits.ndim == 3: denominator = items   # the batch's num_items_in_batch, as the model's loss
         if logits.ndim == 3:                             # sequence rows (a causal LM): section "Sequence rows" below
@@ -361,7 +361,7 @@ class CAPSkip:
         else:
             loss, stats = step_loss(self.engine, logits, feats, y, weights, self.decide, o.label_smoothing,
                                     denominator=denominator, temperature=o.temperature, ignore_index=o.ignore_index, cap=cap)
-        record(self.stats, stats)
+        made.recorded = rerecord(self.stats, stats, made.recorded)   # skip.loss(z) again: counted once
         self.last = stats
         if logits.requires_grad and torch.is_grad_enabled():   # a backward over every row is said in `stats` and the counters
             note_all_rows(logits, lambda: self._all_rows(stats))
@@ -374,7 +374,7 @@ class CAPSkip:
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
         "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) the logits' soft cap and the call's `num_items_in_batch`."
-        feats, labels, whole, cap, ids, items = self._forward_of(logits)
+        feats, labels, whole, cap, ids, items, made = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels
         if y is None and not whole:
@@ -396,7 +396,7 @@ class CAPSkip:
                                  "LM's) or shift_labels=False (aligned with the logits)")
             shift_labels = self._shifted
         if logits.ndim == 3 and (from_batch if shift_labels is None else shift_labels): y = shifted_labels(y, self.options.ignore_index)
-        return feats, y, cap, items
+        return feats, y, cap, items, made
 
     def step(self, x, y: Tensor | None = None, weights: Tensor | None = None, shift_labels: bool | None = None) -> StepStats:
         "Forward all rows, select on the device, back-propagate the kept rows (gradients accumulate in `.grad`); `kept` an int. Sequence rows (labels [B, L], or the labels of a batch dict `x`): the gradient of `self.loss(self(x), y)`, built for the kept rows only (`Engine.loss_backward`)."
@@ -409,7 +409,7 @@ class CAPSkip:
             fwd = self._forward(x)
             if fwd.logits.ndim == 3 and o.temperature == 1.0 and fwd.autograd:   # no [B, L, V] gradient, no saved log-softmax
                 with torch.no_grad(): self._rule_loss(fwd.logits, y, weights, None, shift_labels)   # the rule and the statistics
-                _, labels, _, items = self._labels(fwd.logits, y, self._shifted if y is None and shift_labels is None else shift_labels)   # checked (and counted) once: above
+                _, labels, _, items, _ = self._labels(fwd.logits, y, self._shifted if y is None and shift_labels is None else shift_labels)   # checked (and counted) once: above
                 kept = self.engine.loss_backward(fwd, labels, self.last.applied, items, ignore_index=o.ignore_index,
                                                  softmax=self.last.token_softmax)   # (1/N) Σ applied_i Σ_t CE: the same gradient (top-k: the selector's softmax sums)
                 if fwd.all_rows: self._all_rows(self.last)

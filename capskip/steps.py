@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,11 +25,11 @@ from .sequence import (DEFAULT_CANDIDATES, PASS_ELEMENTS, check_sequence_inputs,
 from .sequence_bounds import parse_gram, select_sequences_with, token_split
 
 # %% auto #0
-__all__ = ['Rule', 'IGNORE_INDEX', 'LASTFIX_SCALED_FIX', 'StepStats', 'DeviceCounters', 'epoch_counters', 'record', 'Decision',
-           'realised_distortion', 'check_unscaled_head', 'head_map', 'lastfix_grad', 'at_least_float32', 'decide',
-           'loss_denominator', 'run_step', 'step_loss', 'device_generator', 'shifted_labels', 'token_losses',
-           'check_denominator', 'every_row_sequence_loss', 'ce_grad_graph', 'SequenceCE', 'sequence_loss',
-           'sequence_step', 'check_step_inputs']
+__all__ = ['RULE_RERUN_WARNING', 'Rule', 'IGNORE_INDEX', 'LASTFIX_SCALED_FIX', 'StepStats', 'DeviceCounters', 'epoch_counters',
+           'record', 'rerecord', 'Decision', 'realised_distortion', 'check_unscaled_head', 'head_map', 'lastfix_grad',
+           'at_least_float32', 'decide', 'loss_denominator', 'run_step', 'step_loss', 'device_generator',
+           'shifted_labels', 'token_losses', 'check_denominator', 'every_row_sequence_loss', 'ce_grad_graph',
+           'SequenceCE', 'sequence_loss', 'sequence_step', 'check_step_inputs']
 
 # %% ../nbs/01m_steps.ipynb #3671c9eb
 @dataclass
@@ -77,6 +78,19 @@ def record(counters: DeviceCounters, s: StepStats) -> None:
     counters.add('rows_forwarded', s.forwarded); counters.add('rows_backprop', s.kept); counters.add('steps', 1)
     if s.all_rows: counters.add('all_rows_steps', 1)             # the backward ran every row: rows_backprop counts the rule's
     counters.add('distortion_sum', s.distortion); counters.add('loss_sum', s.loss_sum)
+
+RULE_RERUN_WARNING = ("skip.loss ran the rule again on the logits of one forward, with other rows or labels (another slice): the "
+                      "counters count each run as a step of its rows (rows_forwarded, steps); call skip.loss once per skip(...) "
+                      "for counters of forwards")
+
+def rerecord(counters: DeviceCounters, s: StepStats, previous: StepStats | None) -> StepStats:
+    "Record `s`, a rule's run on the logits of a forward whose last recorded run was `previous` (None: the first), and return the run recorded: a repeat of `previous` (the same applied weights and loss: `skip.loss(z)` called twice) is not counted again, another run is, with a warning (`RULE_RERUN_WARNING`); host reads only for a second run."
+    if previous is not None:
+        if previous.applied.shape == s.applied.shape and bool(torch.equal(previous.applied, s.applied) & (previous.loss_sum == s.loss_sum)):
+            return previous
+        warnings.warn(RULE_RERUN_WARNING, stacklevel=4)
+    record(counters, s)
+    return s
 
 # %% ../nbs/01m_steps.ipynb #a2b3d67e
 @dataclass

@@ -345,6 +345,29 @@ def test_a_later_batch_of_an_own_model_whose_labels_are_no_copy_of_its_ids_is_re
 
 
 @pytest.mark.parametrize('mode', MODES)
+def test_skip_loss_called_twice_on_one_forward_is_one_step(mode):
+    "skip.loss(z) called twice on one forward (a loss for the log, then the one back-propagated): the counters held two steps of 6 forwarded rows (12, with no word); now the repeat is counted once and the gradient is the kept rows'. A second run on another slice of the same logits is counted as a step, with a warning."
+    model, ref, skip = door(gpt2(), mode)
+    z = skip(input_ids=IDS, labels=IDS)
+    skip.loss(z)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        loss = skip.loss(z)                                                      # a repeat: no warning
+    loss.backward()
+    kept_sequences_loss(ref, IDS, IDS, skip.last.applied).backward()
+    assert exact(model, ref), grad_errors(model_grads(model), model_grads(ref))
+    counted = skip.counters()
+    assert 0 < counted['rows_backprop'] < 6
+    assert (counted['rows_forwarded'], counted['steps'], counted['rows_backprop']) == (6.0, 1.0, float((skip.last.applied > 0).sum()))
+    z = skip(input_ids=IDS, labels=IDS)
+    skip.loss(z)
+    with pytest.warns(UserWarning, match=r'^skip.loss ran the rule again on the logits of one forward, with other rows or labels'):
+        skip.loss(z[:, 2:-1], IDS[:, 3:])
+    assert skip.counters()['steps'] == 2.0                                       # two runs of the rule: two steps, said
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
 def test_num_items_in_batch_given_to_the_forward_is_the_loss_denominator(mode):
     "skip(**batch, num_items_in_batch=n), as Trainer's accumulation calls a model that takes loss kwargs: skip.loss(z) and skip.step(batch) divide by n as model(**batch, num_items_in_batch=n).loss does (before: by the batch's own labelled tokens, another scale with no word)."
     labels = IDS.masked_fill(IDS < 10, -100)
