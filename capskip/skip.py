@@ -373,7 +373,7 @@ class CAPSkip:
         self.stats.add('all_rows_steps', 1)
 
     def _labels(self, logits: Tensor, y: Tensor | None, shift_labels: bool | None) -> tuple:
-        "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides) the logits' soft cap and the call's `num_items_in_batch`."
+        "The head's input of `logits`' forward, the labels (`y`, or the batch's: a causal LM's shifted as its own loss shifts them; `shift_labels` overrides), the logits' soft cap, the call's `num_items_in_batch` and its `Made`."
         feats, labels, whole, cap, ids, items, made = self._forward_of(logits)
         from_batch = y is None
         if y is None: y = labels

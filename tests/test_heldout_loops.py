@@ -3,7 +3,8 @@ two forwards whose losses are summed before one backward, `torch.autograd.grad` 
 forward under `torch.no_grad()` between steps, a batch of one sequence, gradient accumulation over prompt-masked
 micro-batches with the whole batch's token count as denominator, left padding, a model trained in pure bf16, and a PEFT
 prompt-tuning model (its logits carry virtual tokens the batch's labels lack: padded as PEFT pads them, stop 53),
-and a call asking skip for hidden states or attentions (refused in one line, stop 54).
+and a call asking skip for hidden states or attentions (refused in one line, stop 54); an own model's later batch of
+tags, skip.loss run twice on one forward, packed rows with position_ids and sampling between steps (stop 56).
 Each against plain autograd of the kept rows (float64, or bf16 against a float64 truth)."""
 import copy
 import warnings
@@ -364,6 +365,41 @@ def test_skip_loss_called_twice_on_one_forward_is_one_step(mode):
     with pytest.warns(UserWarning, match=r'^skip.loss ran the rule again on the logits of one forward, with other rows or labels'):
         skip.loss(z[:, 2:-1], IDS[:, 3:])
     assert skip.counters()['steps'] == 2.0                                       # two runs of the rule: two steps, said
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_packed_rows_with_position_ids_give_the_kept_rows_gradient(mode):
+    "Rows that each pack two sequences, as `DataCollatorWithFlattening` packs them: `position_ids` restart at each sequence and the first token of each is labelled -100. A packed row is one row of the rule; the gradient is plain autograd's of the kept packed rows, through `skip.loss` and `skip.step` (probed in stop 56: exact)."
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).repeat(4, 1)
+    pos[1] = torch.cat([torch.arange(9), torch.arange(7)])
+    labels = ids.masked_fill(pos == 0, -100)
+    model, ref, skip = door(llama(), mode)
+    skip.loss(skip(input_ids=ids, labels=labels, position_ids=pos)).backward()
+    kept_sequences_loss(ref, ids, labels, skip.last.applied, position_ids=pos).backward()
+    assert 0 < int((skip.last.applied > 0).sum()) < 4
+    assert exact(model, ref), grad_errors(model_grads(model), model_grads(ref))
+    model.zero_grad(); ref.zero_grad()
+    skip.step({'input_ids': ids, 'labels': labels, 'position_ids': pos})
+    kept_sequences_loss(ref, ids, labels, skip.last.applied, position_ids=pos).backward()
+    assert exact(model, ref), grad_errors(model_grads(model), model_grads(ref))
+    skip.close()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_generate_between_steps_leaves_the_next_steps_exact(mode):
+    "A fine-tuning loop that samples from the model between steps (`model.generate` in eval mode, under no_grad, through the hooked head): the next steps' gradients are still plain autograd's of the kept rows, and the head keeps the door's two hooks (probed in stop 56: exact)."
+    model, ref, skip = door(gpt2(), mode)
+    for step in range(2):
+        model.zero_grad(); ref.zero_grad()
+        skip.loss(skip(input_ids=IDS, labels=IDS)).backward()
+        kept_sequences_loss(ref, IDS, IDS, skip.last.applied).backward()
+        assert exact(model, ref), (step, grad_errors(model_grads(model), model_grads(ref)))
+        model.eval()
+        with torch.no_grad(): out = model.generate(IDS[:2, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.train()
+        assert out.shape == (2, 7) and len(model.lm_head._forward_hooks) == 2
     skip.close()
 
 
