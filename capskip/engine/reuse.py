@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ class Reuse(Executor):
                 except RowDependenceError as err:        # every module's output kept its rows (the eager probe): reforward is exact,
                     traced = (f'a saved value in {err.where or "the model"} is not laid out by rows, though every module\'s '
                               'output is (e.g. a mixture of experts\' tokens grouped by expert)')   # slicing the saved values is not
+        gc.collect()    # a trace leaves reference cycles (dynamo's frames and variables) that hold this executor and its capture: collected now, so that a dropped CAPSkip's hooks leave the model with it, not at some later collection
         if not isinstance(traced, str) and (moved := state_change(traced, self.model, self.capture, xr)) is not None:
             traced = f'its forward changes, at every call, Python state it reads ({moved}: false after one forward)'
         if isinstance(traced, str):
